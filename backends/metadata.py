@@ -1,0 +1,95 @@
+"""``CommonAttentionMetadata``: the per-step batch description every backend builds from.
+
+Worked example: three requests in one step, block_size 4.
+
+- request 0 is a decode: 5 tokens cached, 1 new token (position 5);
+- request 1 is a prefill chunk: 0 cached, 3 new tokens (positions 0..2);
+- request 2 verifies 1 + 2 draft tokens: 6 cached, 3 new tokens (positions 6..8).
+
+::
+
+    query_start_loc = [0, 1, 4, 7]        # [batch_size + 1] int32, prefix sum of query lens
+    seq_lens        = [6, 3, 9]           # [batch_size] int32, cached + new tokens
+    num_reqs = 3, num_actual_tokens = 7, max_query_len = 3, max_seq_len = 9
+    block_table     = [[0, 1, -], [2, -, -], [3, 4, 5]]   # [batch_size, max_blocks_per_seq]
+    slot_mapping    = [5, 8, 9, 10, 18, 19, 20]          # [num_tokens] int64, -1 = padding
+
+Query token j of request i sits at position ``seq_lens[i] - query_len_i + j`` and attends
+(causally) to every key position ``<= `` its own. ``max_query_len`` / ``max_seq_len`` are
+upper bounds during drafting (they are advanced on the host without reading the device).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class CommonAttentionMetadata:
+    query_start_loc: torch.Tensor  # [batch_size + 1] int32, device
+    query_start_loc_cpu: torch.Tensor  # [batch_size + 1] int32, CPU copy
+    seq_lens: torch.Tensor  # [batch_size] int32, device
+    seq_lens_cpu: torch.Tensor  # [batch_size] int32, CPU copy (upper bound while drafting)
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_table: torch.Tensor  # [batch_size, max_blocks_per_seq] int32, device
+    slot_mapping: torch.Tensor  # [num_tokens] int64, device; PADDING_SLOT_ID = -1
+    causal: bool = True
+    # Optional query-query mask over the last ``spec_mask.shape[0]`` query tokens of every
+    # request (tree drafting): spec_mask[i, j] = True lets speculative token i see token j.
+    spec_mask: torch.Tensor | None = None  # [num_spec, num_spec] bool
+
+    def __post_init__(self) -> None:
+        if self.query_start_loc.shape[0] != self.num_reqs + 1:
+            raise ValueError(f"query_start_loc has {self.query_start_loc.shape[0]} entries, "
+                             f"expected num_reqs + 1 = {self.num_reqs + 1}")
+        if self.seq_lens.shape[0] != self.num_reqs:
+            raise ValueError(f"seq_lens has {self.seq_lens.shape[0]} entries, "
+                             f"expected num_reqs = {self.num_reqs}")
+
+    def with_updates(self, **changes) -> "CommonAttentionMetadata":
+        """A copy with ``changes`` applied (metadata objects are never mutated)."""
+        return replace(self, **changes)
+
+    @staticmethod
+    def from_cpu(query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor,
+                 slot_mapping: torch.Tensor, device: torch.device | str,
+                 causal: bool = True) -> "CommonAttentionMetadata":
+        """Build from host lists (the scheduler's view); tensors are copied to ``device``."""
+        qsl_cpu = torch.tensor(query_start_loc, dtype=torch.int32)
+        sl_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
+        return CommonAttentionMetadata(
+            query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu,
+            seq_lens=sl_cpu.to(device), seq_lens_cpu=sl_cpu,
+            num_reqs=len(seq_lens), num_actual_tokens=int(qsl_cpu[-1]),
+            max_query_len=int(query_lens.max()) if len(seq_lens) else 0,
+            max_seq_len=max(seq_lens) if seq_lens else 0,
+            block_table=block_table.to(device=device, dtype=torch.int32),
+            slot_mapping=slot_mapping.to(device=device, dtype=torch.int64), causal=causal)
+
+
+def token_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token request row, index within its request's query, and absolute position.
+
+    query_start_loc [batch_size + 1], seq_lens [batch_size] -> three [num_tokens] int64 tensors.
+    Tokens past ``query_start_loc[-1]`` (graph padding) get request row ``batch_size`` (one
+    past the last), so callers can route them to a scratch row. No host sync.
+
+    Example: query_start_loc [0, 1, 4], seq_lens [6, 3], num_tokens 5
+    -> req [0, 1, 1, 1, 2], index [0, 0, 1, 2, 0], position [5, 0, 1, 2, 0].
+    """
+    qsl = query_start_loc.long()
+    batch_size = qsl.shape[0] - 1
+    tokens = torch.arange(num_tokens, device=qsl.device)
+    req = torch.searchsorted(qsl[1:], tokens, right=True)  # [num_tokens] in [0, batch_size]
+    safe_req = req.clamp(max=max(batch_size - 1, 0))
+    index = tokens - qsl[safe_req]
+    query_len = qsl[safe_req + 1] - qsl[safe_req]
+    position = seq_lens.long()[safe_req] - query_len + index
+    padding = req >= batch_size
+    return req, index.masked_fill(padding, 0), position.masked_fill(padding, 0)

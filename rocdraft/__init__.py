@@ -1,0 +1,1 @@
+"""rocdraft: AMD/ROCm-first speculative decoding with an EAGLE drafter."""
