@@ -62,14 +62,17 @@ class BackendCapabilities:
             return bool(self.kv_cache_dtypes)
         raise ValueError(f"unknown feature {feature!r}; valid: {[f.value for f in Feature]}")
 
-    def config_problem(self, block_size: int, head_dim: int, dtype: torch.dtype,
+    def config_problem(self, block_size: int | None = None, head_dim: int | None = None,
+                       dtype: torch.dtype | None = None,
                        kv_cache_dtype: torch.dtype | None = None) -> str | None:
-        """Why this backend cannot run a model with this configuration, or None."""
-        if block_size <= 0 or block_size % self.block_size_multiple:
-            return (f"block_size {block_size} is not a multiple of {self.block_size_multiple}")
-        if self.head_sizes is not None and head_dim not in self.head_sizes:
+        """Why this backend cannot run a model with this configuration, or None.
+        Fields left as None are not checked."""
+        if block_size is not None and (block_size <= 0 or block_size % self.block_size_multiple):
+            return f"block_size {block_size} is not a multiple of {self.block_size_multiple}"
+        if head_dim is not None and self.head_sizes is not None \
+                and head_dim not in self.head_sizes:
             return f"head_dim {head_dim} is not one of {list(self.head_sizes)}"
-        if dtype not in self.dtypes:
+        if dtype is not None and dtype not in self.dtypes:
             return f"dtype {dtype} is not one of {[str(d) for d in self.dtypes]}"
         if kv_cache_dtype is not None and kv_cache_dtype != dtype \
                 and kv_cache_dtype not in self.kv_cache_dtypes:

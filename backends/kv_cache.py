@@ -137,6 +137,8 @@ def write_kv_reference(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCac
     With no valid row at all, they rewrite slot 0 with its current contents.
     """
     num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:  # a static shape, not a device read: nothing to write
+        return
     slots = slot_mapping.long()
     valid = slots >= 0
     anchor = valid.int().argmax()  # first valid row (0 when none is valid)

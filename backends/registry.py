@@ -97,10 +97,9 @@ def refusal_reason(cls: type[AttentionBackend], platform_kind: str,
     reason = cls.availability()
     if reason:
         return reason
-    if req.block_size is not None and req.head_dim is not None and req.dtype is not None:
-        reason = caps.config_problem(req.block_size, req.head_dim, req.dtype, req.kv_cache_dtype)
-        if reason:
-            return reason
+    reason = caps.config_problem(req.block_size, req.head_dim, req.dtype, req.kv_cache_dtype)
+    if reason:
+        return reason
     missing = [f.value for f in req.features if not caps.has(f)]
     if missing:
         return f"does not support {', '.join(missing)}"

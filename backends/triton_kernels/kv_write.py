@@ -1,0 +1,243 @@
+"""Paged KV write in Triton: scatter each new token's K/V into its cache slot.
+
+Reference: ``rocdraft.backends.kv_cache.write_kv_reference`` (this kernel is bit-exact with it).
+One program per token writes every head of the token's key and value; ``slot < 0``
+(``PADDING_SLOT_ID``) is skipped; the token count is ``slot_mapping.shape[0]`` (key/value may
+be longer, and may be strided views of a fused qkv tensor).
+
+Cache addressing, for token (block b, offset o), head h, dim d, in both layouts::
+
+    b * s_block + h * s_head + (o // OFF_SPLIT) * s_off_hi + (o % OFF_SPLIT) * s_off_lo
+                             + (d // DIM_SPLIT) * s_dim_hi + (d % DIM_SPLIT) * s_dim_lo
+
+- NHD ``[num_blocks, block_size, num_kv_heads, head_dim]``: OFF_SPLIT = DIM_SPLIT = 1;
+- SPLIT_K key ``[num_blocks, num_kv_heads, head_dim // x, block_size, x]``: DIM_SPLIT = x;
+- SPLIT_K value ``[num_blocks, num_kv_heads, block_size // x, head_dim, x]``: OFF_SPLIT = x.
+
+fp8 caches store ``clamp(x / scale, -fp8_max, fp8_max).to(fp8)`` with an IEEE division and
+round-to-nearest-even, exactly like torch. The bf16 and fp8 rounding is done in software
+(``_round_to_*_grid``) so the final cast is exact on every backend, the interpreter included
+(its own downcast does not round to nearest even). NaN inputs are not canonicalised as torch
+does. Bytes moved per token:
+``2 * num_kv_heads * head_dim * (input bytes + cache bytes) + slot bytes``.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from rocdraft.backends.kv_cache import FP8_DTYPES, KV_LAYOUTS, NHD, LayerKVCache
+
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = INPUT_DTYPES + FP8_DTYPES
+
+
+@triton.jit
+def _round_to_bf16_grid(x):
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32: torch's rounding."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constexpr):
+    """fp32 in [-fp8_max, fp8_max] -> the nearest e4m3 value (ties to even), still as fp32.
+
+    The e4m3 grid spacing at |x| is ulp = 2^(max(exponent(x), MIN_NORMAL_EXP) - 3); scaling by
+    a power of two is exact and ``(y + 2^23) - 2^23`` rounds y < 2^22 to the nearest even
+    integer. Rounding in software makes the final cast exact on every backend (and in the
+    interpreter, whose own fp8/bf16 downcast does not round to nearest even).
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    magnitude = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, MIN_NORMAL_EXP)
+    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
+    steps = (magnitude * inv_ulp + 8388608.0) - 8388608.0
+    rounded = (steps * ulp).to(tl.uint32, bitcast=True)
+    if HAS_NEG_ZERO:
+        rounded = rounded | sign
+    else:  # fnuz formats have no -0 (0x80 is NaN): a zero keeps a + sign
+        rounded = tl.where(rounded == 0, rounded, rounded | sign)
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_token_rows(src_ptr, src_stride_t, src_stride_h, cache_ptr, scale_ptr, scale_stride,
+                      token, block, offset, valid, num_kv_heads, head_dim,
+                      s_block, s_head, s_off_hi, s_off_lo, s_dim_hi, s_dim_lo,
+                      OFF_SPLIT: tl.constexpr, DIM_SPLIT: tl.constexpr, CACHE_KIND: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Write one token's [num_kv_heads, head_dim] rows of key (or value) into its slot."""
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    num_heads_written = tl.where(valid, num_kv_heads, 0)  # 0 for a padding slot
+    mask = (heads[:, None] < num_heads_written) & (dims[None, :] < head_dim)
+    src = src_ptr + token * src_stride_t + heads[:, None] * src_stride_h + dims[None, :]
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
+    if CACHE_KIND == 1:  # bf16
+        x = _round_to_bf16_grid(x)
+    if CACHE_KIND >= 2:  # fp8: 2 = e4m3fn, 3 = e4m3fnuz
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + heads * scale_stride, mask=heads < num_kv_heads, other=1.0)
+            x = tl.div_rn(x, scale.to(tl.float32)[:, None])
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+        x = _round_to_fp8_grid(x, FP8_MIN_EXP, CACHE_KIND == 2)
+    dst = (cache_ptr + block * s_block + heads[:, None] * s_head
+           + (offset // OFF_SPLIT) * s_off_hi + (offset % OFF_SPLIT) * s_off_lo
+           + (dims[None, :] // DIM_SPLIT) * s_dim_hi + (dims[None, :] % DIM_SPLIT) * s_dim_lo)
+    tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def kv_write_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr,
+                    k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+                    key_stride_t, key_stride_h, value_stride_t, value_stride_h,
+                    kc_s_block, kc_s_head, kc_s_off_hi, kc_s_off_lo, kc_s_dim_hi, kc_s_dim_lo,
+                    vc_s_block, vc_s_head, vc_s_off_hi, vc_s_off_lo, vc_s_dim_hi, vc_s_dim_lo,
+                    k_scale_stride, v_scale_stride, block_size, num_kv_heads, head_dim,
+                    KEY_OFF_SPLIT: tl.constexpr, KEY_DIM_SPLIT: tl.constexpr,
+                    VALUE_OFF_SPLIT: tl.constexpr, VALUE_DIM_SPLIT: tl.constexpr,
+                    CACHE_KIND: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+                    FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (num_tokens,): program t writes token t's key and value (skipped when slot < 0)."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    valid = slot >= 0
+    safe_slot = tl.maximum(slot, 0)
+    block = safe_slot // block_size
+    offset = safe_slot % block_size
+    _store_token_rows(key_ptr, key_stride_t, key_stride_h, key_cache_ptr, k_scale_ptr,
+                      k_scale_stride, token, block, offset, valid, num_kv_heads, head_dim,
+                      kc_s_block, kc_s_head, kc_s_off_hi, kc_s_off_lo, kc_s_dim_hi, kc_s_dim_lo,
+                      KEY_OFF_SPLIT, KEY_DIM_SPLIT, CACHE_KIND, HAS_K_SCALE, FP8_MAX,
+                      FP8_MIN_EXP, BLOCK_H, BLOCK_D)
+    _store_token_rows(value_ptr, value_stride_t, value_stride_h, value_cache_ptr, v_scale_ptr,
+                      v_scale_stride, token, block, offset, valid, num_kv_heads, head_dim,
+                      vc_s_block, vc_s_head, vc_s_off_hi, vc_s_off_lo, vc_s_dim_hi, vc_s_dim_lo,
+                      VALUE_OFF_SPLIT, VALUE_DIM_SPLIT, CACHE_KIND, HAS_V_SCALE, FP8_MAX,
+                      FP8_MIN_EXP, BLOCK_H, BLOCK_D)
+
+
+class CacheKind(NamedTuple):
+    """How values are rounded into a cache dtype (``CACHE_KIND`` of the kernel)."""
+
+    code: int  # 0: fp32/fp16 (plain cast), 1: bf16, 2: fp8 e4m3fn, 3: fp8 e4m3fnuz
+    fp8_max: float = 0.0
+    fp8_min_exp: int = 0  # exponent of the smallest normal fp8 value
+
+
+def cache_kind(dtype: torch.dtype) -> CacheKind:
+    if dtype == torch.bfloat16:
+        return CacheKind(1)
+    if dtype in FP8_DTYPES:
+        finfo = torch.finfo(dtype)
+        code = 2 if dtype == torch.float8_e4m3fn else 3
+        return CacheKind(code, float(finfo.max), int(math.log2(finfo.smallest_normal)))
+    return CacheKind(0)
+
+
+class CacheAddressing(NamedTuple):
+    """Strides and split factors of one cache tensor (see the module docstring)."""
+
+    strides: tuple[int, int, int, int, int, int]  # block, head, off_hi, off_lo, dim_hi, dim_lo
+    off_split: int
+    dim_split: int
+
+
+def cache_addressing(store: torch.Tensor, layout: str, is_value: bool) -> CacheAddressing:
+    """How ``store`` (a key or value cache tensor in ``layout``) is addressed by the kernel."""
+    s = store.stride()
+    if layout == NHD:  # [num_blocks, block_size, num_kv_heads, head_dim]
+        return CacheAddressing((s[0], s[2], s[1], 0, s[3], 0), 1, 1)
+    x = store.shape[-1]
+    if is_value:  # [num_blocks, num_kv_heads, block_size // x, head_dim, x]
+        return CacheAddressing((s[0], s[1], s[2], s[4], s[3], 0), x, 1)
+    return CacheAddressing((s[0], s[1], s[3], 0, s[2], s[4]), 1, x)  # key
+
+
+def _check_scale(name: str, scale: torch.Tensor | None, num_kv_heads: int,
+                 device: torch.device) -> None:
+    if scale is None:
+        return
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32, got {scale.dtype}")
+    if scale.dim() != 1 or scale.shape[0] not in (1, num_kv_heads):
+        raise ValueError(f"{name} must have shape [1] or [num_kv_heads={num_kv_heads}], "
+                         f"got {list(scale.shape)}")
+    if scale.device != device:
+        raise ValueError(f"{name} is on {scale.device}, the cache on {device}")
+
+
+def check_kv_write_args(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
+                        slot_mapping: torch.Tensor) -> None:
+    """Raise ValueError naming the first problem with the arguments of ``write_kv_triton``."""
+    if cache.layout not in KV_LAYOUTS:
+        raise ValueError(f"unknown KV layout {cache.layout!r}; valid: {KV_LAYOUTS}")
+    if cache.key.dtype != cache.value.dtype or cache.key.dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache dtypes key={cache.key.dtype} value={cache.value.dtype} must "
+                         f"match and be one of {[str(d) for d in CACHE_DTYPES]}")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be a 1-D int32/int64 tensor, got "
+                         f"{slot_mapping.dtype} of shape {list(slot_mapping.shape)}")
+    num_tokens = slot_mapping.shape[0]
+    if cache.layout == NHD:
+        num_kv_heads, head_dim = cache.key.shape[2], cache.key.shape[3]
+    else:
+        num_kv_heads, head_dim = cache.key.shape[1], cache.value.shape[3]
+    device = cache.key.device
+    for name, new in (("key", key), ("value", value)):
+        if new.dim() != 3 or tuple(new.shape[1:]) != (num_kv_heads, head_dim):
+            raise ValueError(f"{name} must be [num_tokens, num_kv_heads={num_kv_heads}, "
+                             f"head_dim={head_dim}], got {list(new.shape)}")
+        if new.shape[0] < num_tokens:
+            raise ValueError(f"{name} has {new.shape[0]} rows, fewer than the "
+                             f"{num_tokens} slots of slot_mapping")
+        if new.dtype not in INPUT_DTYPES:
+            raise ValueError(f"{name} dtype {new.dtype} is not one of "
+                             f"{[str(d) for d in INPUT_DTYPES]}")
+        if new.stride(2) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, strides {new.stride()}")
+        if new.device != device:
+            raise ValueError(f"{name} is on {new.device}, the cache on {device}")
+    if slot_mapping.device != device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device}, the cache on {device}")
+    _check_scale("k_scale", cache.k_scale, num_kv_heads, device)
+    _check_scale("v_scale", cache.v_scale, num_kv_heads, device)
+
+
+def write_kv_triton(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
+                    slot_mapping: torch.Tensor) -> None:
+    """Checked wrapper: key/value [>= num_tokens, num_kv_heads, head_dim] (last dim
+    contiguous), slot_mapping [num_tokens] -> writes ``cache`` in place. Never reads the device."""
+    check_kv_write_args(key, value, cache, slot_mapping)
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_addr = cache_addressing(cache.key, cache.layout, is_value=False)
+    v_addr = cache_addressing(cache.value, cache.layout, is_value=True)
+    kind = cache_kind(cache.key.dtype)
+    k_scale, v_scale = cache.k_scale, cache.v_scale
+    kv_write_kernel[(num_tokens,)](
+        key, value, cache.key, cache.value,
+        slot_mapping if k_scale is None else k_scale,  # unused pointer when no scale
+        slot_mapping if v_scale is None else v_scale,
+        slot_mapping, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *k_addr.strides, *v_addr.strides,
+        0 if k_scale is None or k_scale.shape[0] == 1 else 1,
+        0 if v_scale is None or v_scale.shape[0] == 1 else 1,
+        cache.block_size, num_kv_heads, head_dim,
+        KEY_OFF_SPLIT=k_addr.off_split, KEY_DIM_SPLIT=k_addr.dim_split,
+        VALUE_OFF_SPLIT=v_addr.off_split, VALUE_DIM_SPLIT=v_addr.dim_split,
+        CACHE_KIND=kind.code, HAS_K_SCALE=k_scale is not None,
+        HAS_V_SCALE=v_scale is not None, FP8_MAX=kind.fp8_max, FP8_MIN_EXP=kind.fp8_min_exp,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))

@@ -1,0 +1,159 @@
+"""EagleProposer: chain drafting with an EAGLE-1 or EAGLE-3 head on a paged KV cache.
+
+One speculative step, padded path (no host sync)::
+
+    sampled [B, k+1] ──prepare_next_token_ids_padded──> next_token_ids [B], valid_count [B]
+    prepare_inputs_padded ──> token_indices_to_sample [B], num_rejected [B]
+    propose: shifted ids + next token, first forward over all target tokens,
+             then k-1 single-token steps (positions +1, clamp, slots, seq_lens +1)
+
+The unpadded path (``prepare_inputs``) drops rejected tokens on the host instead; both give
+the same drafts (tests/test_eagle_proposer.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from rocdraft.backends.base import AttentionBackend, Feature
+from rocdraft.backends.kv_cache import LayerKVCache
+from rocdraft.backends.metadata import CommonAttentionMetadata
+from rocdraft.backends.registry import require
+from rocdraft.drafter import index_math
+from rocdraft.drafter.step_update import advance_draft_step_
+from rocdraft.errors import RocdraftError
+
+
+class EagleProposer:
+    def __init__(self, head: torch.nn.Module, backend: type[AttentionBackend],
+                 num_speculative_tokens: int, max_num_tokens: int, max_num_seqs: int,
+                 max_model_len: int, block_size: int, vocab_size: int,
+                 device: torch.device | str) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if num_speculative_tokens > 1:
+            require(backend.name, Feature.MULTI_TOKEN_DRAFTING,
+                    f"drafting {num_speculative_tokens} tokens per step")
+        self.head, self.backend = head, backend
+        self.builder = backend.builder_cls(device)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len, self.block_size = max_model_len, block_size
+        self.vocab_size, self.device = vocab_size, device
+        self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
+        # Persistent buffers, sized once (a graph runner captures reads of these).
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
+        self.arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self.arange_cpu = torch.arange(max_num_seqs + 1, dtype=torch.int32)
+
+    def validate_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
+        """All draft layers must share one KV-cache group: same block size, blocks, layout."""
+        groups = {(c.block_size, c.num_blocks, c.layout) for c in kv_caches}
+        if len(groups) != 1 or next(iter(groups))[0] != self.block_size:
+            raise RocdraftError(f"draft layers must share one KV-cache group with block_size "
+                                f"{self.block_size}; got (block_size, num_blocks, layout) "
+                                f"groups {sorted(groups)}")
+
+    # --- next tokens -----------------------------------------------------------------------
+
+    def prepare_next_token_ids_padded(self, sampled: torch.Tensor, discard_request: torch.Tensor,
+                                      backup_next_token_ids: torch.Tensor
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, k+1] sampled -> (next_token_ids [B], valid_sampled_count [B]); no host sync."""
+        return index_math.prepare_next_token_ids_padded(sampled, discard_request,
+                                                        backup_next_token_ids, self.vocab_size)
+
+    @staticmethod
+    def prepare_next_token_ids_cpu(sampled_cpu: list[list[int]], discard_request: list[bool],
+                                   backup_next_token_ids: list[int]) -> list[int]:
+        """Host version: last non-rejected sampled token, or the backup (partial prefill)."""
+        next_ids = []
+        for row, discard, backup in zip(sampled_cpu, discard_request, backup_next_token_ids):
+            valid = [t for t in row if t >= 0]
+            next_ids.append(backup if discard or not valid else valid[-1])
+        return next_ids
+
+    # --- inputs ----------------------------------------------------------------------------
+
+    def prepare_inputs_padded(self, common: CommonAttentionMetadata,
+                              num_draft_tokens: torch.Tensor, valid_sampled_count: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token_indices_to_sample [B], num_rejected [B]); rejected tokens stay as padding."""
+        return index_math.prepare_inputs_padded(common.query_start_loc, num_draft_tokens,
+                                                valid_sampled_count)
+
+    def prepare_inputs(self, common: CommonAttentionMetadata, num_rejected_cpu: torch.Tensor
+                       ) -> tuple[CommonAttentionMetadata, torch.Tensor]:
+        """Unpadded path: drop rejected tokens. -> (metadata over the kept tokens,
+        token_indices [new_num_tokens] into the target batch). Reads host copies only."""
+        new_qsl_cpu, token_indices_cpu = index_math.prepare_inputs_cpu(
+            common.query_start_loc_cpu, num_rejected_cpu)
+        device = common.query_start_loc.device
+        token_indices = token_indices_cpu.to(device)
+        seq_lens_cpu = common.seq_lens_cpu - num_rejected_cpu.to(torch.int32)
+        new_lens = new_qsl_cpu[1:] - new_qsl_cpu[:-1]
+        new_common = common.with_updates(
+            query_start_loc=new_qsl_cpu.to(device), query_start_loc_cpu=new_qsl_cpu,
+            seq_lens=seq_lens_cpu.to(device), seq_lens_cpu=seq_lens_cpu,
+            num_actual_tokens=int(new_qsl_cpu[-1]), max_query_len=int(new_lens.max()),
+            max_seq_len=int(seq_lens_cpu.max()),
+            slot_mapping=common.slot_mapping[token_indices])
+        return new_common, token_indices
+
+    # --- drafting --------------------------------------------------------------------------
+
+    def propose(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
+                target_hidden_states, next_token_ids: torch.Tensor,
+                last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
+                kv_caches: list[LayerKVCache], num_rejected: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Chain drafting.
+
+        target_token_ids [num_tokens], target_positions [num_tokens] (or [3, num_tokens] for
+        M-RoPE), target_hidden_states: [num_tokens, H_target] (EAGLE-1) or a tuple of aux
+        hidden states [num_tokens, H_target] (EAGLE-3), next_token_ids [B],
+        last_token_indices [B] (where each request samples), common: the target's metadata
+        for these tokens, num_rejected [B] (padded path: rejected tokens still in the batch)
+        -> draft token ids [B, num_speculative_tokens] int64 (target vocabulary).
+        """
+        num_tokens = target_token_ids.shape[0]
+        batch_size = common.num_reqs
+        if num_tokens > self.max_num_tokens or batch_size > self.max_num_seqs:
+            raise RocdraftError(f"batch of {num_tokens} tokens / {batch_size} requests exceeds "
+                                f"the proposer's buffers ({self.max_num_tokens} / "
+                                f"{self.max_num_seqs})")
+        input_ids = self.input_ids[:num_tokens]
+        input_ids.copy_(index_math.shift_input_ids(target_token_ids, next_token_ids,
+                                                   last_token_indices))
+        hidden = self.head.combine_hidden_states(target_hidden_states)  # [num_tokens, H]
+        metadata = self.builder.build(common)
+        hidden = self.head(input_ids, target_positions, hidden, kv_caches, metadata)
+        sample_hidden = hidden[last_token_indices]  # [B, H]
+        draft_ids = self._greedy(sample_hidden)
+        drafts = [draft_ids]
+        if self.num_speculative_tokens == 1:
+            return draft_ids.view(-1, 1)
+
+        positions = target_positions[..., last_token_indices]  # [B] or [3, B]
+        seq_lens = common.seq_lens
+        if num_rejected is not None:  # padded path: seq_len ends at the sampled token
+            seq_lens = (seq_lens - num_rejected).to(torch.int32)
+        query_start_loc = self.arange[:batch_size + 1]
+        query_start_loc_cpu = self.arange_cpu[:batch_size + 1]
+        for draft_index in range(1, self.num_speculative_tokens):
+            positions, clamped, slots, seq_lens = advance_draft_step_(
+                positions, seq_lens, common.block_table, self.block_size, self.max_model_len)
+            step_common = CommonAttentionMetadata(
+                query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc_cpu,
+                seq_lens=seq_lens, seq_lens_cpu=common.seq_lens_cpu + draft_index,  # bound
+                num_reqs=batch_size, num_actual_tokens=batch_size, max_query_len=1,
+                max_seq_len=min(common.max_seq_len + draft_index, self.max_model_len),
+                block_table=common.block_table, slot_mapping=slots, causal=True)
+            metadata = self.builder.build_for_drafting(step_common, draft_index)
+            sample_hidden = self.head(draft_ids, clamped, sample_hidden, kv_caches, metadata)
+            draft_ids = self._greedy(sample_hidden)
+            drafts.append(draft_ids)
+        return torch.stack(drafts, dim=1)
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, H] -> [B] target-vocabulary ids of the head's argmax."""
+        logits = self.head.compute_draft_logits(hidden)
+        return self.head.draft_to_target(logits.argmax(dim=-1))

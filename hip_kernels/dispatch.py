@@ -1,0 +1,62 @@
+"""What the drafter and the backends call: the kernel ops behind a small, typed API.
+
+Every function works on any device: on a GPU with the extension built it runs the HIP (or
+CUDA) kernel, elsewhere the torch reference (see ops.py); results are identical. All are
+sync-free and allocate nothing except ``prepare_padded_drafting_hip``'s four outputs, so they
+are safe inside graph capture once the extension is loaded (call ``hip_available()`` before
+capturing: the first call may build the extension).
+"""
+from __future__ import annotations
+
+import torch
+
+from rocdraft.backends.kv_cache import LayerKVCache
+from rocdraft.hip_kernels import build, ops
+
+
+def hip_available() -> bool:
+    """True when the GPU extension is loaded (building it on first call; False on CPU torch,
+    with ``ROCDRAFT_HIP_KERNELS=0``, or when the build failed)."""
+    return build.load_gpu_extension() is not None
+
+
+def hip_unavailable_reason() -> str | None:
+    """Why ``hip_available()`` is False, or None when it is True (or not yet tried)."""
+    return build.gpu_unavailable_reason()
+
+
+def write_kv_hip(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
+                 slot_mapping: torch.Tensor) -> None:
+    """Write key/value [>= num_tokens, num_kv_heads, head_dim] to ``cache`` at slot_mapping
+    [num_tokens] int64 (slots < 0 skipped), quantising for fp8 caches with the cache's scales.
+    Same contract as backends.kv_cache.write_kv_reference."""
+    ops.write_kv(key, value, cache.key, cache.value, slot_mapping, cache.k_scale, cache.v_scale,
+                 cache.layout)
+
+
+def advance_draft_step_hip_(positions: torch.Tensor, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor, clamped_positions_out: torch.Tensor,
+                            slot_mapping_out: torch.Tensor, block_size: int,
+                            max_model_len: int) -> None:
+    """In place: positions [batch_size] int64 += 1, seq_lens [batch_size] int32 += 1 (1 where
+    clamped); writes clamped_positions_out / slot_mapping_out [batch_size] int64.
+    block_table [>= batch_size, max_blocks_per_seq] int32. Equals index_math.advance_draft_step
+    (its new_positions, clamped, slots, new_seq_lens land in positions, clamped_positions_out,
+    slot_mapping_out, seq_lens)."""
+    ops.advance_draft_step(positions, seq_lens, block_table, clamped_positions_out,
+                           slot_mapping_out, block_size, max_model_len)
+
+
+def prepare_padded_drafting_hip(sampled: torch.Tensor, discard_request: torch.Tensor,
+                                backup_next_token_ids: torch.Tensor, vocab_size: int,
+                                query_start_loc: torch.Tensor, num_draft_tokens: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    """sampled [batch_size, k + 1] int64 (-1 rejected), discard_request [batch_size] bool,
+    backup_next_token_ids [batch_size] int64, query_start_loc [batch_size + 1] int32,
+    num_draft_tokens [batch_size] int32
+    -> (next_token_ids [batch_size] int64, valid_sampled_count [batch_size] int32,
+        token_indices_to_sample [batch_size] int64, num_rejected [batch_size] int64):
+    index_math.prepare_next_token_ids_padded then prepare_inputs_padded, in one kernel."""
+    return ops.prepare_padded_drafting(sampled, discard_request, backup_next_token_ids,
+                                       vocab_size, query_start_loc, num_draft_tokens)

@@ -1,0 +1,93 @@
+"""EAGLE-1 draft head (yuhuili/EAGLE-* heads; config like LlamaForCausalLM, 1 layer).
+
+For token i the head reads the NEXT token x_{i+1} and a feature f_i (the target's final-norm
+hidden state at position i on the first draft step, the head's own output afterwards)::
+
+    h = fc(cat([embed(x_{i+1}), f_i], -1))          # [n, 2H] -> [n, H]
+    layer 0 (no input_layernorm):  h = h + self_attn(h);  h = h + mlp(post_attention_layernorm(h))
+    output h (fed back); logits = target.lm_head(h)   (no final norm)
+
+Layers after the first (never seen in published heads) do have an input_layernorm, as in the
+reference implementation. ``embed_tokens`` and ``lm_head`` are the target's (shared modules).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rocdraft.backends.base import AttentionBackend
+from rocdraft.backends.kv_cache import LayerKVCache
+from rocdraft.models.config import HeadConfig
+from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
+from rocdraft.models.rope import RotaryEmbedding
+
+
+class Eagle1Layer(nn.Module):
+    def __init__(self, config: HeadConfig, index: int, attn_backend: type[AttentionBackend],
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        hidden = config.hidden_size
+        self.input_layernorm = (RMSNorm(hidden, config.rms_norm_eps, **factory) if index > 0
+                                else None)
+        self.self_attn = Attention(hidden, hidden, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim, attn_backend,
+                                   **factory)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, **factory)
+
+    def forward(self, hidden: torch.Tensor, cos_sin, kv_cache: LayerKVCache,
+                attn_metadata) -> torch.Tensor:
+        """hidden [n, H] -> [n, H]."""
+        x = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
+        hidden = hidden + self.self_attn(x, cos_sin, kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle1Head(nn.Module):
+    def __init__(self, config: HeadConfig, attn_backend: type[AttentionBackend],
+                 embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        hidden = config.hidden_size
+        self.config = config
+        self.embed_tokens = embed_tokens  # [vocab, H], usually the target's
+        self.lm_head = lm_head  # the target's
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.bias, **factory)
+        self.layers = nn.ModuleList(Eagle1Layer(config, i, attn_backend, **factory)
+                                    for i in range(config.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          device)
+
+    def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
+        return ()
+
+    def combine_hidden_states(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's final hidden state [n, H] is the feature as is."""
+        if not isinstance(target_hidden, torch.Tensor):
+            raise ValueError("EAGLE-1 takes the target's final hidden state [n, H], not aux "
+                             "hidden states")
+        return target_hidden
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        c = self.config
+        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor, kv_caches: list[LayerKVCache],
+                attn_metadata) -> torch.Tensor:
+        """input_ids [n] (next tokens), positions [n], hidden_states [n, H] -> [n, H]."""
+        cos_sin = self.rotary_emb(positions)
+        embeds = self.embed_tokens(input_ids)  # [n, H]
+        hidden = self.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos_sin, kv_cache, attn_metadata)
+        return hidden
+
+    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> [n, vocab] float32 (draft vocab == target vocab)."""
+        return self.lm_head(hidden).float()
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids

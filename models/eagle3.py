@@ -1,0 +1,111 @@
+"""EAGLE-3 draft head (yuhuili/EAGLE3-*; architecture often renamed ``LlamaForCausalLMEagle3``).
+
+First draft step: the feature is ``g = fc(cat(aux_low, aux_mid, aux_high))`` over the
+residual-stream inputs of target layers (2, L//2, L-3) ([n, 3 * H_t] -> [n, H]); later steps
+feed back the head's own output. For token i with next token x_{i+1}::
+
+    residual = g
+    z = cat([input_layernorm(embed(x_{i+1})), hidden_norm(g)], -1)   # [n, 2H]
+    h = residual + o_proj(attn(q/k/v_proj(z)))                      # q/k/v read 2H
+    h = h + mlp(post_attention_layernorm(h))                        # output, fed back
+    logits = lm_head(norm(h))                                       # [n, draft_vocab]
+    target id = draft id + d2t[draft id]                            # no map when full vocab
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rocdraft.backends.base import AttentionBackend
+from rocdraft.backends.kv_cache import LayerKVCache
+from rocdraft.models.config import HeadConfig
+from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
+from rocdraft.models.rope import RotaryEmbedding
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, config: HeadConfig, attn_backend: type[AttentionBackend],
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, **factory)
+        self.hidden_norm = RMSNorm(hidden, eps, **factory)
+        self.self_attn = Attention(2 * hidden, hidden, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim, attn_backend,
+                                   **factory)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, **factory)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin,
+                kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
+        """embeds [n, H], hidden [n, H] -> [n, H]."""
+        z = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = hidden + self.self_attn(z, cos_sin, kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: HeadConfig, attn_backend: type[AttentionBackend],
+                 embed_tokens: nn.Embedding, target_hidden_size: int, has_vocab_map: bool,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        hidden = config.hidden_size
+        self.config = config
+        self.embed_tokens = embed_tokens  # [vocab, H], the target's
+        self.fc = nn.Linear(3 * target_hidden_size, hidden, bias=False, **factory)
+        self.midlayer = Eagle3MidLayer(config, attn_backend, **factory)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps, **factory)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False, **factory)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          device)
+        # d2t [draft_vocab] int64: target id = draft id + d2t[draft id].
+        self.d2t: torch.Tensor | None
+        if has_vocab_map:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64,
+                                                    device=device))
+        else:
+            self.d2t = None
+
+    def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
+        """Target layers whose residual-stream inputs feed ``fc``, low to high."""
+        num = num_target_layers
+        if num < 3:
+            raise ValueError(f"EAGLE-3 needs a target with >= 3 layers (aux ids 2, L//2, L-3), "
+                             f"got {num}")
+        return (2, num // 2, num - 3)
+
+    def combine_hidden_states(self, target_hidden) -> torch.Tensor:
+        """aux tuple of [n, H_t] (low to high) or their concatenation [n, 3 * H_t] -> [n, H]."""
+        if not isinstance(target_hidden, torch.Tensor):
+            target_hidden = torch.cat(tuple(target_hidden), dim=-1)
+        if target_hidden.shape[-1] != self.fc.in_features:
+            raise ValueError(f"EAGLE-3 fc takes {self.fc.in_features} features (3 aux layers), "
+                             f"got {target_hidden.shape[-1]}")
+        return self.fc(target_hidden.to(self.fc.weight.dtype))
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        c = self.config
+        return 1, c.num_key_value_heads, c.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor, kv_caches: list[LayerKVCache],
+                attn_metadata) -> torch.Tensor:
+        """input_ids [n] (next tokens), positions [n], hidden_states [n, H] -> [n, H]."""
+        if len(kv_caches) != 1:
+            raise ValueError(f"EAGLE-3 has one layer, got {len(kv_caches)} KV caches")
+        cos_sin = self.rotary_emb(positions)
+        embeds = self.embed_tokens(input_ids)  # [n, H]
+        return self.midlayer(embeds, hidden_states.to(embeds.dtype), cos_sin, kv_caches[0],
+                             attn_metadata)
+
+    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> [n, draft_vocab] float32."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """draft_ids [n] -> target ids [n]."""
+        if self.d2t is None:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]

@@ -1,0 +1,116 @@
+"""The target model: Llama / Qwen2 / Mistral decoder on a paged KV cache.
+
+Checkpoint keys are the Hugging Face ones: ``model.embed_tokens.weight``,
+``model.layers.{i}.{input_layernorm,self_attn.{q,k,v,o}_proj,post_attention_layernorm,
+mlp.{gate,up,down}_proj}.*``, ``model.norm.weight``, ``lm_head.weight`` (absent when tied).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rocdraft.backends.base import AttentionBackend
+from rocdraft.backends.kv_cache import LayerKVCache
+from rocdraft.models.config import ModelConfig, load_model_config
+from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
+from rocdraft.models.rope import RotaryEmbedding
+from rocdraft.models.weights import copy_weights, load_state_dict
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    hidden_states: torch.Tensor  # [num_tokens, hidden_size], after the final norm
+    # The residual-stream input of each requested layer, in the order asked for (equal to
+    # transformers' output_hidden_states[layer_id]); each [num_tokens, hidden_size].
+    aux_hidden_states: tuple[torch.Tensor, ...] = ()
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: type[AttentionBackend],
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        hidden = config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
+        self.self_attn = Attention(hidden, hidden, config.num_attention_heads,
+                                   config.num_key_value_heads, config.head_dim, attn_backend,
+                                   qkv_bias=config.attention_bias, **factory)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, config.mlp_bias, **factory)
+
+    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
+        """hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size] (pre-norm residual)."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache,
+                                         attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: type[AttentionBackend],
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(config, attn_backend, **factory)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta,
+                                          config.rope_scaling, device)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of the paged cache this model needs."""
+        c = self.config
+        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[LayerKVCache], attn_metadata,
+                aux_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+        """input_ids [num_tokens] int64, positions [num_tokens] (or [3, num_tokens] for M-RoPE);
+        ``kv_caches[i]`` is layer i's cache; ``attn_metadata`` what the backend's builder built."""
+        num_layers = len(self.layers)
+        if len(kv_caches) != num_layers:
+            raise ValueError(f"got {len(kv_caches)} KV caches for {num_layers} layers")
+        bad = [i for i in aux_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"aux_layer_ids {bad} out of range [0, {num_layers})")
+        cos_sin = self.rotary_emb(positions)  # 2 x [num_tokens, head_dim]
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layer_ids:
+                captured[i] = hidden
+            hidden = layer(hidden, cos_sin, kv_caches[i], attn_metadata)
+        return TargetOutput(self.norm(hidden), tuple(captured[i] for i in aux_layer_ids))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> [n, vocab_size] float32."""
+        return self.lm_head(hidden).float()
+
+
+def _checkpoint_key(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def load_target(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+                attn_backend: type[AttentionBackend]) -> LlamaForCausalLM:
+    """Build the target from a HF checkpoint directory; every weight checked and copied."""
+    config = load_model_config(path)
+    state = load_state_dict(path)
+    model = LlamaForCausalLM(config, attn_backend, dtype, "meta")
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives the two tied names separate storage
+    model.rotary_emb.reset_inv_freq()
+    skip = ("lm_head.",) if config.tie_word_embeddings else ()
+    copy_weights(model, state, _checkpoint_key, skip=skip, where=f"target checkpoint {path}")
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,69 @@
+"""Text <-> token ids through the ``tokenizers`` package (a checkpoint's tokenizer.json).
+
+BOS follows what Hugging Face does: the tokenizer.json post-processor decides (Llama-2/3 add
+BOS there, Qwen2 does not); an explicit ``add_bos_token`` in tokenizer_config.json overrides it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from rocdraft.errors import CheckpointError
+from rocdraft.models.config import read_json
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, bos_token_id: int | None = None,
+                 add_bos: bool | None = None) -> None:
+        self._tok = tokenizer
+        self.bos_token_id = bos_token_id
+        self._add_bos = add_bos  # None: as the post-processor does
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=True).ids
+        if self._add_bos is None or self.bos_token_id is None:
+            return ids
+        has_bos = bool(ids) and ids[0] == self.bos_token_id
+        if self._add_bos and not has_bos:
+            return [self.bos_token_id] + ids
+        if not self._add_bos and has_bos:
+            return ids[1:]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _token_content(value) -> str | None:
+    """tokenizer_config.json spells special tokens as strings or {"content": ...} dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The tokenizer of checkpoint directory ``path``, or None when it has no tokenizer.json."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return None
+    try:
+        tok = HFTokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # the Rust library raises its own exception types
+        raise CheckpointError(f"cannot read {tokenizer_file}: {e}") from None
+    config_file = directory / "tokenizer_config.json"
+    config = read_json(config_file) if config_file.is_file() else {}
+    bos_token = _token_content(config.get("bos_token"))
+    bos_id = tok.token_to_id(bos_token) if bos_token else None
+    add_bos = config.get("add_bos_token")
+    return Tokenizer(tok, bos_id, None if add_bos is None else bool(add_bos))

@@ -1,0 +1,201 @@
+"""``rocdraft``: generate, backends, bench. User errors print one line to stderr, exit 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _prepare_environment() -> None:
+    """On a machine without a GPU, Triton kernels can only run in the interpreter; it must be
+    switched on before any kernel module is imported."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model directory (default: the built-in pair)")
+    p.add_argument("--draft", help="EAGLE head directory (default: the built-in pair's)")
+    p.add_argument("--method", choices=("none", "eagle", "eagle3"), default=None,
+                   help="speculative method (default: eagle3 with the built-in pair, "
+                        "none with --target and no --draft)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--draft-attention-backend", default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture the draft loop in a CUDA/HIP graph")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rocdraft", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT")
+    gen.add_argument("--prompts-file", help="one prompt per line (.jsonl: one JSON string)")
+    gen.add_argument("--prompt-ids", action="append", default=[],
+                     help="comma-separated token ids (bypasses the tokenizer); may repeat")
+    _add_model_args(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true")
+    back = sub.add_parser("backends", help="list attention backends and their capabilities")
+    back.add_argument("--json", action="store_true")
+    from rocdraft.bench_cli import add_bench_parser
+
+    add_bench_parser(sub, _add_model_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _prepare_environment()
+    from rocdraft.errors import RocdraftError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "backends":
+            return _backends(args)
+        from rocdraft.bench_cli import run_bench
+
+        return run_bench(args)
+    except (RocdraftError, ValueError, FileNotFoundError, NotADirectoryError,
+            PermissionError, UnicodeDecodeError) as exc:
+        print(f"rocdraft: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def read_prompts_file(path: str) -> list[str]:
+    from rocdraft.errors import RocdraftError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+    except OSError as exc:
+        raise RocdraftError(f"cannot read prompts file {path!r}: {exc.strerror}") from None
+    lines = [line for line in lines if line.strip()]
+    if not lines:
+        raise RocdraftError(f"prompts file {path!r} is empty")
+    if path.endswith(".jsonl"):
+        prompts = []
+        for number, line in enumerate(lines, 1):
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise RocdraftError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            if not isinstance(value, str):
+                raise RocdraftError(f"{path}:{number}: expected a JSON string")
+            prompts.append(value)
+        return prompts
+    return lines
+
+
+def _parse_ids(text: str) -> list[int]:
+    from rocdraft.errors import RocdraftError
+
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise RocdraftError(f"--prompt-ids {text!r} is not a comma-separated list of "
+                            f"integers") from None
+
+
+def make_llm(args):
+    """Build an LLM from the shared model flags (built-in pair by default)."""
+    from rocdraft.builtin import builtin_paths
+    from rocdraft.config import SpeculativeConfig
+    from rocdraft.engine import LLM
+    from rocdraft.errors import RocdraftError
+
+    target, draft, method = args.target, args.draft, args.method
+    if target is None:
+        pair = builtin_paths()
+        target = pair.target
+        method = method or "eagle3"
+        if method != "none" and draft is None:
+            draft = pair.eagle3 if method == "eagle3" else pair.eagle1
+    method = method or ("eagle3" if draft else "none")
+    if method != "none" and not draft:
+        raise RocdraftError(f"--method {method} needs --draft DIR (an EAGLE head directory)")
+    spec = None
+    if method != "none":
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=args.num_speculative_tokens,
+                                 enforce_eager=args.enforce_eager)
+    llm = LLM(target, draft=draft if spec else None, speculative_config=spec, dtype=args.dtype,
+              device=args.device, attention_backend=args.attention_backend,
+              draft_attention_backend=args.draft_attention_backend)
+    return llm, method
+
+
+def _generate(args) -> int:
+    from rocdraft.config import SamplingParams
+    from rocdraft.errors import RocdraftError
+
+    prompts: list = list(args.prompts)
+    if args.prompts_file:
+        prompts += read_prompts_file(args.prompts_file)
+    prompts += [_parse_ids(text) for text in args.prompt_ids]
+    if not prompts:
+        raise RocdraftError("no prompt given (PROMPT, --prompts-file or --prompt-ids)")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_new_tokens, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    llm, method = make_llm(args)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    stats = llm.last_stats
+    summary = {
+        "method": method,
+        "num_speculative_tokens": stats.num_speculative_tokens,
+        "attention_backend": llm.backend.name,
+        "draft_attention_backend": llm.draft_backend.name if llm.draft_backend else None,
+        "device": llm.device, "dtype": args.dtype,
+        "generated_tokens": stats.generated_tokens, "elapsed_s": round(elapsed, 4),
+        "tokens_per_s": round(stats.generated_tokens / elapsed, 2) if elapsed else 0.0,
+        "acceptance_length": round(stats.acceptance_length, 4),
+        "per_position_acceptance": [round(a, 4) for a in stats.per_position_acceptance],
+        "num_verify_steps": stats.num_verify_steps,
+    }
+    if args.json:
+        print(json.dumps({"outputs": [
+            {"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "text": o.text,
+             "finish_reason": o.finish_reason, **({"error": o.error} if o.error else {})}
+            for o in outputs], "stats": summary}))
+        return 0
+    for i, out in enumerate(outputs):
+        body = out.text if out.text is not None else " ".join(map(str, out.token_ids))
+        if out.error:
+            body = f"[error] {out.error}"
+        print(f"--- completion {i} ({out.finish_reason}) ---\n{body}")
+    accept = ""
+    if method != "none":
+        per_pos = ", ".join(f"{a:.2f}" for a in stats.per_position_acceptance)
+        accept = (f", acceptance length {stats.acceptance_length:.2f} "
+                  f"(per position: {per_pos})")
+    print(f"[{method}, {summary['attention_backend']}, {llm.device}] "
+          f"{stats.generated_tokens} tokens in {elapsed:.2f} s "
+          f"({summary['tokens_per_s']} tok/s){accept}")
+    return 0
+
+
+def _backends(args) -> int:
+    from rocdraft.backends_report import backends_report, format_backends_report
+
+    report = backends_report()
+    print(json.dumps(report, indent=2) if args.json else format_backends_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""``LLM``: the public entry point. Loads the target (and an EAGLE head), picks attention
+backends through the registry, allocates the paged KV caches, and runs continuous batching:
+
+    schedule -> target forward -> rejection sampler -> request updates -> drafter
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rocdraft import envs
+from rocdraft.backends import registry
+from rocdraft.backends.base import Feature
+from rocdraft.backends.kv_cache import allocate_kv_cache
+from rocdraft.config import (EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig)
+from rocdraft.drafter.eagle import EagleProposer
+from rocdraft.errors import RocdraftError
+from rocdraft.loading import load_draft_head, load_target_model
+from rocdraft.outputs import GenerationStats, RequestOutput
+from rocdraft.platform import detect_platform
+from rocdraft.rejection_sampler import rejection_sample
+from rocdraft.request import Request
+from rocdraft.sampler import SamplingTensors
+from rocdraft.scheduler import Scheduler, ScheduledRequest
+from rocdraft.step_batch import StepBatch, build_step_batch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLM:
+    def __init__(self, target: str, draft: str | None = None,
+                 speculative_config: SpeculativeConfig | None = None, dtype: str = "float32",
+                 device: str | None = None, attention_backend: str | None = None,
+                 draft_attention_backend: str | None = None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None) -> None:
+        platform = detect_platform()
+        device = device or platform.device
+        if device.startswith("cuda") and not platform.is_gpu:
+            raise RocdraftError(f"device {device!r} requested but no GPU is visible; use cpu")
+        self.config = EngineConfig(target=target, draft=draft, speculative=speculative_config,
+                                   dtype=dtype, device=device,
+                                   attention_backend=attention_backend,
+                                   draft_attention_backend=draft_attention_backend)
+        self.device, self.torch_dtype = device, _DTYPES[dtype]
+        kind = "cpu" if device == "cpu" else platform.kind
+        spec = speculative_config
+        self.target, self.tokenizer, self.backend = load_target_model(
+            target, self.torch_dtype, device, kind, block_size,
+            attention_backend or envs.attention_backend())
+        cfg = self.target.config
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        self.head, self.draft_backend, self.proposer = None, None, None
+        k = spec.num_speculative_tokens if spec else 0
+        max_blocks_per_seq = -(-(self.max_model_len + k) // block_size)
+        num_blocks = num_kv_blocks or max_num_seqs * max_blocks_per_seq
+        if num_blocks * block_size < self.max_model_len + k:
+            raise RocdraftError(f"num_kv_blocks {num_blocks} x block_size {block_size} cannot "
+                                f"hold one request of max_model_len {self.max_model_len}")
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=block_size, num_blocks=num_blocks,
+            num_lookahead_tokens=k)
+        num_layers, num_kv_heads, head_dim = self.target.kv_cache_spec()
+        self.kv_caches = allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads,
+                                           head_dim, self.torch_dtype, device)
+        if spec:
+            self._setup_drafter(spec, kind, block_size, num_blocks, max_num_seqs,
+                                max_num_batched_tokens)
+        self.last_stats = GenerationStats()
+
+    def _setup_drafter(self, spec: SpeculativeConfig, kind: str, block_size: int,
+                       num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        name = self.config.draft_attention_backend or envs.draft_attention_backend() \
+            or self.backend.name
+        self.head, self.draft_backend = load_draft_head(
+            self.config.draft, self.target, spec.method, self.torch_dtype, self.device, kind,
+            block_size, name)
+        if spec.num_speculative_tokens > 1:
+            registry.require(self.draft_backend.name, Feature.MULTI_TOKEN_DRAFTING,
+                             f"drafting {spec.num_speculative_tokens} tokens per step")
+        num_layers, num_kv_heads, head_dim = self.head.kv_cache_spec()
+        self.draft_kv_caches = allocate_kv_cache(num_layers, num_blocks, block_size,
+                                                 num_kv_heads, head_dim, self.torch_dtype,
+                                                 self.device)
+        self.proposer = EagleProposer(
+            self.head, self.draft_backend, spec.num_speculative_tokens,
+            max_num_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len, block_size=block_size,
+            vocab_size=self.target.config.vocab_size, device=self.device)
+        self.proposer.validate_kv_caches(self.draft_kv_caches)
+
+    # --- public API ------------------------------------------------------------------------
+
+    def generate(self, prompts: list, sampling_params: SamplingParams | list | None = None
+                 ) -> list[RequestOutput]:
+        """prompts: strings (need a tokenizer) or lists of token ids; one SamplingParams for
+        all or one per prompt. A bad request fails alone (finish_reason "error")."""
+        if not isinstance(prompts, (list, tuple)):
+            raise RocdraftError("prompts must be a list of strings or of token-id lists")
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise RocdraftError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        spec = self.config.speculative
+        stats = GenerationStats(num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        scheduler = Scheduler(self.scheduler_config)
+        requests = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for req in requests:
+            if not req.is_finished:
+                scheduler.add(req)
+        while scheduler.has_unfinished:
+            self._step(scheduler, stats)
+        stats.num_preemptions = scheduler.num_preemptions
+        stats.generated_tokens = sum(len(r.output_token_ids) for r in requests)
+        self.last_stats = stats
+        return [self._output(r) for r in requests]
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _make_request(self, index: int, prompt, params: SamplingParams) -> Request:
+        cfg = self.target.config
+        ids, error = self._tokenize(prompt)
+        req = Request(index, ids, params, eos_token_ids=tuple(cfg.eos_token_ids))
+        if error is None and not ids:
+            error = "empty prompt"
+        if error is None:
+            bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+            if bad:
+                error = f"token ids {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})"
+        if error is None and len(ids) >= self.max_model_len:
+            error = (f"prompt of {len(ids)} tokens does not fit max_model_len "
+                     f"{self.max_model_len} (at least one token must be generated)")
+        if error:
+            req.finish("error", error)
+        elif params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return req
+
+    def _tokenize(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                return [], "text prompt given but the target has no tokenizer.json"
+            return self.tokenizer.encode(prompt), None
+        try:
+            return [int(t) for t in prompt], None
+        except (TypeError, ValueError):
+            return [], f"prompt {prompt!r} is neither a string nor a list of token ids"
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None and req.finish_reason != "error":
+            text = self.tokenizer.decode(req.output_token_ids)
+        return RequestOutput(list(req.prompt_token_ids), list(req.output_token_ids), text,
+                             req.finish_reason or "length", req.error)
+
+    def _step(self, scheduler: Scheduler, stats: GenerationStats) -> None:
+        t0 = time.perf_counter()
+        scheduled = scheduler.schedule()
+        batch = build_step_batch(scheduled, self.scheduler_config.max_blocks_per_seq,
+                                 self.scheduler_config.block_size, self.device)
+        t1 = time.perf_counter()
+        aux_ids = self.head.aux_layer_ids(self.target.config.num_hidden_layers) \
+            if self.head is not None else ()
+        metadata = self.backend.builder_cls(self.device).build(batch.common)
+        out = self.target(batch.input_ids, batch.positions, self.kv_caches, metadata,
+                          aux_layer_ids=aux_ids)
+        flat = batch.sample_indices.view(-1)
+        logits = self.target.compute_logits(out.hidden_states[flat]).view(
+            len(scheduled), batch.max_drafts + 1, -1)
+        t2 = time.perf_counter()
+        sampling = SamplingTensors.build(
+            [s.request.params for s in scheduled],
+            [s.request.generator if samples else None
+             for s, samples in zip(scheduled, batch.samples)], self.device)
+        sampled = rejection_sample(logits, batch.draft_token_ids, batch.num_draft_tokens,
+                                   batch.num_draft_tokens_cpu, sampling)
+        t3 = time.perf_counter()
+        drafts = None
+        if self.proposer is not None:
+            hidden = out.aux_hidden_states if aux_ids else out.hidden_states
+            drafts = self._propose(batch, sampled, hidden)
+        t4 = time.perf_counter()
+        sampled_cpu = sampled.tolist()  # the one device-to-host sync of a step
+        drafts_cpu = drafts.tolist() if drafts is not None else None
+        self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu, stats)
+        t5 = time.perf_counter()
+        stats.num_steps += 1
+        stats.time_s["bookkeeping"] += (t1 - t0) + (t5 - t4)
+        stats.time_s["target_verify"] += t2 - t1
+        stats.time_s["sampler"] += t3 - t2
+        stats.time_s["draft"] += t4 - t3
+
+    def _propose(self, batch: StepBatch, sampled: torch.Tensor, hidden) -> torch.Tensor:
+        """Drafts [batch_size, k] for every row (rows that did not sample are discarded)."""
+        proposer, spec = self.proposer, self.config.speculative
+        discard = torch.tensor([not s for s in batch.samples], device=self.device)
+        if spec.padded_drafting:
+            next_ids, valid = proposer.prepare_next_token_ids_padded(
+                sampled, discard, batch.backup_next_token_ids)
+            indices, rejected = proposer.prepare_inputs_padded(
+                batch.common, batch.num_draft_tokens, valid)
+            return proposer.propose(batch.input_ids, batch.positions, hidden, next_ids, indices,
+                                    batch.common, self.draft_kv_caches, num_rejected=rejected)
+        sampled_cpu = sampled.tolist()
+        next_ids = proposer.prepare_next_token_ids_cpu(
+            sampled_cpu, discard.tolist(), batch.backup_next_token_ids.tolist())
+        num_rejected = torch.tensor([
+            d + 1 - sum(t >= 0 for t in row) if d > 0 else 0
+            for d, row in zip(batch.num_draft_tokens_cpu, sampled_cpu)], dtype=torch.int32)
+        common, kept = proposer.prepare_inputs(batch.common, num_rejected)
+        hidden = tuple(h[kept] for h in hidden) if isinstance(hidden, tuple) else hidden[kept]
+        last = (common.query_start_loc[1:] - 1).long()
+        return proposer.propose(batch.input_ids[kept], batch.positions[..., kept], hidden,
+                                torch.tensor(next_ids, device=self.device), last, common,
+                                self.draft_kv_caches)
+
+    def _update_requests(self, scheduler: Scheduler, scheduled: list[ScheduledRequest],
+                         batch: StepBatch, sampled_cpu, drafts_cpu, stats: GenerationStats
+                         ) -> None:
+        for row, item in enumerate(scheduled):
+            req = item.request
+            if not batch.samples[row]:  # partial prefill: nothing sampled yet
+                scheduler.update_after_step(item, 0)
+                continue
+            tokens = [t for t in sampled_cpu[row] if t >= 0]
+            num_accepted = len(tokens) - 1
+            if item.num_draft_tokens:
+                stats.record_verification(item.num_draft_tokens, num_accepted)
+            scheduler.update_after_step(item, num_accepted)
+            req.append_tokens(tokens, self.max_model_len)
+            if req.is_finished:
+                scheduler.finish(req)
+            elif drafts_cpu is not None:
+                room = self.max_model_len - req.num_tokens
+                req.spec_token_ids = drafts_cpu[row][:max(room, 0)]

@@ -1,0 +1,67 @@
+"""One generation request and its state across steps."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from rocdraft.config import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts awaiting verification
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    error: str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
+        self.spec_token_ids = []
+
+    def append_tokens(self, tokens: list[int], max_model_len: int) -> int:
+        """Append accepted tokens, stopping at EOS / a stop id / max_tokens / max_model_len.
+        Returns how many were appended (tokens after a stop are never emitted)."""
+        stops = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        appended = 0
+        for token in tokens:
+            self.output_token_ids.append(token)
+            appended += 1
+            if token in stops:
+                self.finish("stop")
+                break
+            if len(self.output_token_ids) >= self.params.max_tokens \
+                    or self.num_tokens >= max_model_len:
+                self.finish("length")
+                break
+        return appended

@@ -1,0 +1,59 @@
+"""Turning logits into probabilities and tokens, per request, without host syncs.
+
+Sampling uses the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` draws from ``p``
+(gpt-fast's trick), so no ``multinomial`` and no host round trip. Each request draws its
+noise from its own generator when it has a seed, so its stream does not depend on the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters, one row per logits row."""
+
+    temperature: torch.Tensor  # [num_rows] float32, 0 = greedy
+    top_k: torch.Tensor  # [num_rows] int64, 0 = disabled
+    top_p: torch.Tensor  # [num_rows] float32, 1 = disabled
+    generators: tuple[torch.Generator | None, ...]  # [num_rows]
+    all_greedy: bool
+
+    @staticmethod
+    def build(params: list, generators: list, device) -> "SamplingTensors":
+        return SamplingTensors(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                     device=device),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long,
+                               device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            generators=tuple(generators), all_greedy=all(p.greedy for p in params))
+
+
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> torch.Tensor:
+    """logits [n, vocab] float32 -> probabilities [n, vocab] after temperature, top-k, top-p.
+    Greedy rows (temperature 0) get a one-hot on their argmax."""
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    drop = (top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    # top_p 1 keeps everything: rounding can bring mass_before to 1.0 ahead of tiny tails.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_p = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    sorted_probs = sorted_probs.masked_fill(drop_p, 0.0)
+    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy.unsqueeze(1), one_hot, probs)
+
+
+def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs [..., vocab], noise Exp(1) of the same shape -> token ids [...] (exponential race)."""
+    return (probs / noise.clamp(min=1e-20)).argmax(dim=-1)

@@ -1,0 +1,71 @@
+"""Host-side assembly of one step's tensors from the scheduler's output."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rocdraft.backends.kv_cache import compute_slot_mapping
+from rocdraft.backends.metadata import CommonAttentionMetadata
+from rocdraft.scheduler import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    common: CommonAttentionMetadata
+    sample_indices: torch.Tensor  # [batch_size, max_drafts + 1] token index of each verify position
+    draft_token_ids: torch.Tensor  # [batch_size, max_drafts] int64 (0 where absent)
+    num_draft_tokens: torch.Tensor  # [batch_size] int64
+    num_draft_tokens_cpu: list[int]
+    samples: list[bool]  # [batch_size] the request reaches its last token this step
+    backup_next_token_ids: torch.Tensor  # [batch_size] next prompt token of partial prefills
+
+    @property
+    def max_drafts(self) -> int:
+        return self.draft_token_ids.shape[1]
+
+
+def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
+                     block_size: int, device: torch.device | str) -> StepBatch:
+    """Token ids, positions, block table, slot mapping and sampling indices of one step.
+
+    Request i contributes its tokens ``all_token_ids[num_computed : num_computed + n - d]``
+    followed by its ``d`` drafts; the logits that verify them sit at its last ``d + 1``
+    tokens (``sample_indices``). Unallocated block-table entries are -1, so any slot computed
+    from them is negative and never written.
+    """
+    ids, positions, req_rows, qsl, seq_lens = [], [], [], [0], []
+    max_drafts = max((s.num_draft_tokens for s in scheduled), default=0)
+    sample_rows, draft_rows, backups = [], [], []
+    block_table = torch.full((len(scheduled), max_blocks_per_seq), -1, dtype=torch.int32)
+    for row, item in enumerate(scheduled):
+        req, n, d = item.request, item.num_new_tokens, item.num_draft_tokens
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start:start + n - d] + req.spec_token_ids[:d]
+        ids += tokens
+        positions += range(start, start + n)
+        req_rows += [row] * n
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(start + n)
+        block_table[row, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
+        last = qsl[-1] - 1
+        sample_rows.append([min(last - d + j, last) for j in range(max_drafts + 1)])
+        draft_rows.append(req.spec_token_ids[:d] + [0] * (max_drafts - d))
+        next_index = start + n
+        backups.append(req.all_token_ids[next_index] if next_index < req.num_tokens else 0)
+    positions_t = torch.tensor(positions, dtype=torch.long)
+    slots = compute_slot_mapping(block_table, torch.tensor(req_rows), positions_t, block_size)
+    common = CommonAttentionMetadata.from_cpu(qsl, seq_lens, block_table, slots, device)
+    num_drafts = [s.num_draft_tokens for s in scheduled]
+    return StepBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=positions_t.to(device), common=common,
+        sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        draft_token_ids=torch.tensor(draft_rows, dtype=torch.long, device=device).view(
+            len(scheduled), max_drafts),
+        num_draft_tokens=torch.tensor(num_drafts, dtype=torch.long, device=device),
+        num_draft_tokens_cpu=num_drafts,
+        samples=[s.completes_prefill for s in scheduled],
+        backup_next_token_ids=torch.tensor(backups, dtype=torch.long, device=device))

@@ -1,0 +1,110 @@
+"""CommonAttentionMetadata construction and ``token_layout`` against a naive loop."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rocdraft.backends.metadata import CommonAttentionMetadata, token_layout
+
+
+def naive_token_layout(query_lens, seq_lens, num_tokens):
+    req, index, position = [], [], []
+    for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        for j in range(q):
+            req.append(i)
+            index.append(j)
+            position.append(s - q + j)
+    pad = num_tokens - len(req)
+    return req + [len(query_lens)] * pad, index + [0] * pad, position + [0] * pad
+
+
+def test_token_layout_docstring_example():
+    req, index, pos = token_layout(torch.tensor([0, 1, 4], dtype=torch.int32),
+                                   torch.tensor([6, 3], dtype=torch.int32), 5)
+    assert req.tolist() == [0, 1, 1, 1, 2]
+    assert index.tolist() == [0, 0, 1, 2, 0]
+    assert pos.tolist() == [5, 0, 1, 2, 0]
+    assert req.dtype == index.dtype == pos.dtype == torch.int64
+
+
+@settings(max_examples=80, deadline=None)
+@given(query_lens=st.lists(st.integers(0, 6), min_size=1, max_size=6),
+       cached=st.data(), padding=st.integers(0, 5))
+def test_token_layout_matches_naive_loop(query_lens, cached, padding):
+    # Zero-length queries (a request with nothing new this step) are allowed in the middle.
+    seq_lens = [q + cached.draw(st.integers(0, 20)) for q in query_lens]
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    num_tokens = qsl[-1] + padding
+    req, index, pos = token_layout(torch.tensor(qsl, dtype=torch.int32),
+                                   torch.tensor(seq_lens, dtype=torch.int32), num_tokens)
+    want = naive_token_layout(query_lens, seq_lens, num_tokens)
+    assert (req.tolist(), index.tolist(), pos.tolist()) == want
+
+
+def worked_example(device="cpu"):
+    block_table = torch.tensor([[0, 1, -1], [2, -1, -1], [3, 4, 5]])
+    slot_mapping = torch.tensor([5, 8, 9, 10, 18, 19, 20])
+    return CommonAttentionMetadata.from_cpu([0, 1, 4, 7], [6, 3, 9], block_table, slot_mapping,
+                                            device)
+
+
+def test_from_cpu_worked_example():
+    m = worked_example()
+    assert m.query_start_loc.tolist() == [0, 1, 4, 7]
+    assert m.query_start_loc_cpu.tolist() == [0, 1, 4, 7]
+    assert m.seq_lens.tolist() == m.seq_lens_cpu.tolist() == [6, 3, 9]
+    assert (m.num_reqs, m.num_actual_tokens, m.max_query_len, m.max_seq_len) == (3, 7, 3, 9)
+    assert m.query_start_loc.dtype == m.seq_lens.dtype == m.block_table.dtype == torch.int32
+    assert m.slot_mapping.dtype == torch.int64
+    assert m.query_start_loc_cpu.device.type == "cpu"
+    assert m.block_table.tolist() == [[0, 1, -1], [2, -1, -1], [3, 4, 5]]
+    assert m.slot_mapping.tolist() == [5, 8, 9, 10, 18, 19, 20]
+    assert m.causal and m.spec_mask is None
+    # The worked example's positions: decode at 5, prefill 0..2, verify 6..8.
+    _, _, pos = token_layout(m.query_start_loc, m.seq_lens, m.num_actual_tokens)
+    assert pos.tolist() == [5, 0, 1, 2, 6, 7, 8]
+
+
+def test_from_cpu_copies_host_lists():
+    qsl, seq_lens = [0, 2], [2]
+    m = CommonAttentionMetadata.from_cpu(qsl, seq_lens, torch.zeros(1, 1), torch.zeros(2),
+                                         "cpu", causal=False)
+    qsl[1], seq_lens[0] = 99, 99
+    assert m.query_start_loc_cpu.tolist() == [0, 2] and m.seq_lens_cpu.tolist() == [2]
+    assert not m.causal
+
+
+def test_from_cpu_empty_batch():
+    m = CommonAttentionMetadata.from_cpu([0], [], torch.zeros(0, 4), torch.zeros(0), "cpu")
+    assert (m.num_reqs, m.num_actual_tokens, m.max_query_len, m.max_seq_len) == (0, 0, 0, 0)
+
+
+def test_with_updates_returns_a_new_object():
+    m = worked_example()
+    m2 = m.with_updates(max_seq_len=10, causal=False)
+    assert (m2.max_seq_len, m2.causal) == (10, False)
+    assert (m.max_seq_len, m.causal) == (9, True)
+    with pytest.raises(Exception):
+        m.max_seq_len = 3  # frozen
+
+
+def test_post_init_checks_query_start_loc_length():
+    m = worked_example()
+    with pytest.raises(ValueError, match=r"query_start_loc has 3 entries.*4"):
+        m.with_updates(query_start_loc=m.query_start_loc[:3])
+
+
+def test_post_init_checks_seq_lens_length():
+    m = worked_example()
+    with pytest.raises(ValueError, match=r"seq_lens has 2 entries.*3"):
+        m.with_updates(seq_lens=m.seq_lens[:2])
+
+
+def test_post_init_checks_num_reqs():
+    m = worked_example()
+    with pytest.raises(ValueError, match="num_reqs"):
+        m.with_updates(num_reqs=2)

@@ -1,0 +1,153 @@
+"""TRITON_ATTN backend: registration, declared capabilities, availability, builders, forward
+(KV write + attention) against TORCH_SDPA; the kernel catalog's completeness and a real
+ahead-of-time compile of one kernel for gfx942."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rocdraft.backends import registry
+from rocdraft.backends.base import Feature, GraphCapture
+from rocdraft.backends.kv_cache import (FP8_DTYPES, NHD, SPLIT_K, LayerKVCache,
+                                        allocate_kv_cache, compute_slot_mapping,
+                                        write_kv_reference)
+from rocdraft.backends.metadata import CommonAttentionMetadata, token_layout
+from rocdraft.backends.torch_sdpa import TorchSDPABuilder, TorchSDPAImpl
+from rocdraft.backends.triton_attn import (CPU_REASON, HEAD_SIZES, TritonAttnBackend,
+                                           TritonAttnImpl, TritonAttnMetadata)
+from rocdraft.backends.triton_kernels import catalog
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- registration and capabilities ----------------------------------------------------------
+
+def test_registered_with_its_own_metadata_type():
+    assert registry.get_backend("TRITON_ATTN") is TritonAttnBackend
+    assert registry.backend_for_metadata(TritonAttnMetadata) is TritonAttnBackend
+
+
+def test_declared_capabilities():
+    caps = TritonAttnBackend.capabilities
+    assert caps.multi_token_drafting and caps.tree_drafting
+    assert caps.graph_capture is GraphCapture.FULL
+    assert caps.kv_layouts == (NHD,) and caps.block_size_multiple == 1
+    assert caps.head_sizes == HEAD_SIZES
+    assert caps.dtypes == (torch.float32, torch.float16, torch.bfloat16)
+    assert caps.kv_cache_dtypes == FP8_DTYPES
+    assert caps.platforms == ("rocm", "cuda", "cpu")
+    for feature in Feature:
+        assert registry.supports("TRITON_ATTN", feature)
+    assert caps.config_problem(block_size=5, head_dim=80, dtype=torch.bfloat16,
+                               kv_cache_dtype=FP8_DTYPES[1]) is None
+    assert "head_dim 24" in caps.config_problem(block_size=16, head_dim=24, dtype=torch.float16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU availability rule")
+def test_cpu_availability_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonAttnBackend.availability() is None
+    assert registry.select_backend("cpu", explicit="TRITON_ATTN").backend is TritonAttnBackend
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert TritonAttnBackend.availability() == CPU_REASON
+
+
+def test_builders_wrap_the_common_metadata():
+    block_table = torch.zeros(2, 1, dtype=torch.int32)
+    common = CommonAttentionMetadata.from_cpu([0, 1, 3], [4, 2], block_table,
+                                              torch.tensor([3, 0, 1]), DEVICE)
+    builder = TritonAttnBackend.builder_cls(DEVICE)
+    for meta in (builder.build(common), builder.build_for_drafting(common, 2),
+                 builder.build_for_graph_capture(common)):
+        assert isinstance(meta, TritonAttnMetadata) and meta.common is common
+
+
+# --- forward against TORCH_SDPA -------------------------------------------------------------
+
+def _step(query_lens, context_lens, dtype, cache_dtype, block_size=8, num_heads=4,
+          num_kv_heads=2, head_dim=32, num_padding_tokens=1, seed=0):
+    """Random cache + one step's new tokens with their real slot mapping."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    num_blocks = len(seq_lens) * max_blocks + 1
+    block_table = torch.randperm(num_blocks, generator=g)[:len(seq_lens) * max_blocks]
+    block_table = block_table.view(len(seq_lens), max_blocks).int()
+    cache = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, cache_dtype,
+                              DEVICE, kv_scale=0.04)[0]
+    old = torch.randn(2, num_blocks * block_size, num_kv_heads, head_dim, generator=g)
+    write_kv_reference(old[0].to(DEVICE), old[1].to(DEVICE), cache,
+                       torch.arange(num_blocks * block_size, device=DEVICE))
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    num_tokens = qsl[-1] + num_padding_tokens
+    req, _, pos = token_layout(torch.tensor(qsl), torch.tensor(seq_lens), num_tokens)
+    pos = pos.masked_fill(req >= len(seq_lens), -1)  # padding tokens write nothing
+    slots = compute_slot_mapping(block_table, req.clamp(max=len(seq_lens) - 1), pos, block_size)
+    common = CommonAttentionMetadata.from_cpu(qsl, seq_lens, block_table, slots, DEVICE)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=g)
+    qkv = qkv.to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)  # strided views
+    return q, k, v, cache, common
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float16, torch.float16),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float32),
+                                               (torch.bfloat16, FP8_DTYPES[1])])
+def test_forward_matches_torch_sdpa(dtype, cache_dtype):
+    q, k, v, cache, common = _step([1, 6, 3], [9, 0, 4], dtype, cache_dtype)
+    ref_cache = LayerKVCache(cache.key.clone(), cache.value.clone(), NHD, cache.k_scale,
+                             cache.v_scale)
+    args = (4, 2, 32, 32 ** -0.5)
+    ref = TorchSDPAImpl(*args).forward(q, k, v, ref_cache, TorchSDPABuilder().build(common))
+    out = TritonAttnImpl(*args).forward(q, k, v, cache,
+                                        TritonAttnBackend.builder_cls(DEVICE).build(common))
+    assert torch.equal(cache.key.view(torch.uint8), ref_cache.key.view(torch.uint8))
+    assert torch.equal(cache.value.view(torch.uint8), ref_cache.value.view(torch.uint8))
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    real = common.num_actual_tokens
+    torch.testing.assert_close(out[:real].float(), ref[:real].float(), atol=tol, rtol=tol)
+
+
+def test_forward_rejects_split_k_cache():
+    q, k, v, cache, common = _step([1], [3], torch.float16, torch.float16)
+    cache.layout = SPLIT_K
+    with pytest.raises(ValueError, match="NHD"):
+        TritonAttnImpl(4, 2, 32, 1.0).forward(q, k, v, cache, TritonAttnMetadata(common))
+
+
+# --- kernel catalog and compile check -------------------------------------------------------
+
+def test_every_jit_function_is_catalogued():
+    assert catalog.uncatalogued_kernels() == []
+    sources = catalog.jit_functions_in_sources()
+    entries = catalog.kernel_catalog()
+    assert len({s.name for s in entries}) == len(entries)
+    for spec in entries:
+        assert spec.kernel_name in sources
+        assert set(spec.helpers) <= set(sources), spec.name
+
+
+def test_a_new_kernel_file_is_reported(tmp_path):
+    (tmp_path / "new_kernel.py").write_text(
+        "import triton\n\n@triton.jit\ndef forgotten_kernel(x_ptr):\n    pass\n")
+    assert catalog.uncatalogued_kernels(directory=tmp_path) == ["new_kernel.py:forgotten_kernel"]
+
+
+def test_compile_one_kernel_for_gfx942_without_a_gpu(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "check_kernels_compile.py"),
+         "--kernel", "advance_draft_step", "--target", "gfx942"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK    advance_draft_step" in result.stdout and "hip:gfx942  hsaco" in result.stdout

@@ -1,0 +1,149 @@
+"""models/weights.py and load_target: every checkpoint layout, and every bad input named."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import write_tiny_llama
+from rocdraft.backends.registry import get_backend
+from rocdraft.errors import CheckpointError
+from rocdraft.models.llama import load_target
+from rocdraft.models.weights import load_state_dict, weight_files
+
+SDPA = get_backend("TORCH_SDPA")  # loading does not run attention
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("w") / "tiny", kind="qwen2", tokenizer=False)
+
+
+@pytest.fixture
+def copy_of(tiny, tmp_path):
+    """A fresh copy of the tiny checkpoint (config + generation config, no weights)."""
+    def make(with_weights: bool = False):
+        d = tmp_path / "ckpt"
+        d.mkdir()
+        for name in ("config.json", "generation_config.json"):
+            shutil.copy(tiny / name, d / name)
+        if with_weights:
+            shutil.copy(tiny / "model.safetensors", d / "model.safetensors")
+        return d
+    return make
+
+
+def _reference_state(tiny):
+    return load_file(str(tiny / "model.safetensors"))
+
+
+def _assert_loaded(model, state):
+    for name, tensor in model.state_dict().items():
+        key = name if name.startswith("lm_head.") else f"model.{name}"
+        torch.testing.assert_close(tensor, state[key], rtol=0, atol=0)
+
+
+def test_single_safetensors(tiny):
+    assert [f.name for f in weight_files(tiny)] == ["model.safetensors"]
+    _assert_loaded(load_target(tiny, torch.float32, "cpu", SDPA), _reference_state(tiny))
+
+
+def test_sharded_safetensors_with_index(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    files = weight_files(tmp_path / "sharded")
+    assert len(files) > 1 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    _assert_loaded(load_target(tmp_path / "sharded", torch.float32, "cpu", SDPA),
+                   _reference_state(tiny))
+
+
+def test_pytorch_model_bin(tiny, copy_of):
+    d = copy_of()
+    torch.save(_reference_state(tiny), d / "pytorch_model.bin")
+    assert [f.name for f in weight_files(d)] == ["pytorch_model.bin"]
+    _assert_loaded(load_target(d, torch.float32, "cpu", SDPA), _reference_state(tiny))
+
+
+def test_sharded_bin_with_index(tiny, copy_of):
+    d = copy_of()
+    state = _reference_state(tiny)
+    keys = sorted(state)
+    halves = {"pytorch_model-00001-of-00002.bin": keys[::2],
+              "pytorch_model-00002-of-00002.bin": keys[1::2]}
+    for name, part in halves.items():
+        torch.save({k: state[k] for k in part}, d / name)
+    weight_map = {k: name for name, part in halves.items() for k in part}
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert load_state_dict(d).keys() == state.keys()
+
+
+def test_dtype_conversion(tiny):
+    model = load_target(tiny, torch.bfloat16, "cpu", SDPA)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_bin_is_loaded_with_weights_only(tiny, copy_of):
+    d = copy_of()
+    torch.save({"model.norm.weight": torch.ones(3), "evil": shutil.copy}, d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        load_state_dict(d)
+
+
+def test_unexpected_keys_are_ignored(tiny, copy_of):
+    d = copy_of()
+    state = _reference_state(tiny)
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(state, str(d / "model.safetensors"))
+    load_target(d, torch.float32, "cpu", SDPA)
+
+
+def test_missing_weight_is_named(tiny, copy_of):
+    d = copy_of()
+    state = _reference_state(tiny)
+    del state["model.layers.1.self_attn.q_proj.bias"]
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing weight\(s\) model\.layers\.1\.self_attn"
+                                              r"\.q_proj\.bias"):
+        load_target(d, torch.float32, "cpu", SDPA)
+
+
+def test_wrong_shape_names_key_and_both_shapes(tiny, copy_of):
+    d = copy_of()
+    state = _reference_state(tiny)
+    state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(64, 64)
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight has shape "
+                                              r"\[64, 64\], expected \[128, 64\]"):
+        load_target(d, torch.float32, "cpu", SDPA)
+
+
+def test_missing_dir_config_and_weights(tmp_path, copy_of):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_target(tmp_path / "absent", torch.float32, "cpu", SDPA)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_target(tmp_path / "empty", torch.float32, "cpu", SDPA)
+    with pytest.raises(CheckpointError, match=r"no weights in .*found \['config.json'"):
+        load_target(copy_of(), torch.float32, "cpu", SDPA)
+
+
+def test_index_naming_absent_shard(copy_of):
+    d = copy_of()
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors"):
+        weight_files(d)
+
+
+def test_unsupported_architecture_named_at_load(copy_of):
+    d = copy_of(with_weights=True)
+    config = json.loads((d / "config.json").read_text())
+    config["architectures"] = ["GemmaForCausalLM"]
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="GemmaForCausalLM"):
+        load_target(d, torch.float32, "cpu", SDPA)
