@@ -53,6 +53,12 @@ def clang_command(clang: str, ockl: str, arch: str, source: Path, output: Path) 
             "--cuda-device-only", "--no-gpu-bundle-output", "-o", str(output), str(source)]
 
 
+def nvcc_command(nvcc: str, output: Path) -> list[str]:
+    """All .hip sources for sm_90 through csrc/kernels.cu and compat/hip_to_cuda.h."""
+    return [nvcc, "-x", "cu", "-std=c++17", "-arch=sm_90", "-O3", f"-I{CSRC}", "-c",
+            str(CSRC / "kernels.cu"), "-o", str(output)]
+
+
 def count_kernels(code_object: Path) -> int:
     """Kernel descriptors in an AMDGPU code object (symbols named ``<kernel>.kd``)."""
     names = re.findall(rb"([A-Za-z0-9_$.]+)\.kd\x00", code_object.read_bytes())
@@ -111,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 ok = False
             else:
                 output = out_dir / "kernels.sm_90.o"
-                ok &= run(f"{'kernels.cu':22s} sm_90 ", [nvcc, "-x", "cu", "-std=c++17",
-                          "-arch=sm_90", "-O3", f"-I{CSRC}", "-c", str(CSRC / "kernels.cu"),
-                          "-o", str(output)], output)
+                ok &= run(f"{'kernels.cu':22s} sm_90 ", nvcc_command(nvcc, output), output)
     print("all kernels compiled" if ok else "some kernels failed to compile")
     return 0 if ok else 1
 

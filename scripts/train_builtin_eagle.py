@@ -319,6 +319,7 @@ def main():
             log(f"eval step {step}: tau k=1..6 all-anchors {history[-1]['tau_all']} "
                 f"walk {history[-1]['tau_walk']}")
     train_wall = time.time() - loop_t0
+    ema = float("nan") if ema is None else ema
     save_head(head, cfg, out)
     # re-evaluate with the saved (bf16-rounded) weights
     with torch.no_grad():

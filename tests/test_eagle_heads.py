@@ -31,7 +31,9 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("heads")
     target = write_tiny_llama(root / "target", kind="llama", tokenizer=False)
-    deep = write_tiny_llama(root / "deep", kind="deep", tokenizer=False)
+    # The deep target's RoPE base (5e5) differs from the EAGLE-3 head's (10000, the default).
+    deep = write_tiny_llama(root / "deep", kind="deep", tokenizer=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     return {
         "target": target, "deep": deep,
         "e1_bin": write_eagle1_head(root / "e1_bin", target, seed=1, fmt="bin"),

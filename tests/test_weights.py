@@ -147,3 +147,19 @@ def test_unsupported_architecture_named_at_load(copy_of):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="GemmaForCausalLM"):
         load_target(d, torch.float32, "cpu", SDPA)
+
+
+def test_hub_style_rope_config_loads_like_transformers5(tmp_path):
+    """Hub checkpoints spell RoPE as rope_theta + rope_scaling; transformers 5 writes
+    rope_parameters. Both give the same config."""
+    from rocdraft.models.config import load_model_config
+    tf5 = write_tiny_llama(tmp_path / "tf5", kind="llama3", tokenizer=False)
+    hub = tmp_path / "hub"
+    shutil.copytree(tf5, hub)
+    config = json.loads((hub / "config.json").read_text())
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    config["rope_scaling"] = params
+    (hub / "config.json").write_text(json.dumps(config))
+    assert load_model_config(hub) == load_model_config(tf5)
+    assert load_model_config(hub).rope_scaling["rope_type"] == "llama3"

@@ -10,8 +10,6 @@ and must stay unused.
 """
 from __future__ import annotations
 
-import torch
-
 from . import (attend, check_cu_seqlens, check_gqa, check_half, check_int32,
                check_last_dim_contiguous, check_max_seqlen, make_module, read_pages, require,
                uninitialized_like)

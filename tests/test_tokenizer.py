@@ -1,0 +1,60 @@
+"""models/tokenizer.py against transformers' fast tokenizer on the same tokenizer.json."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+from transformers import AutoTokenizer
+
+from checkpoints import write_tiny_tokenizer
+from rocdraft.errors import CheckpointError
+from rocdraft.models.tokenizer import load_tokenizer
+
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "", "one two zzz"]
+
+
+@pytest.fixture
+def tok_dir(tmp_path):
+    return write_tiny_tokenizer(tmp_path / "tok", vocab_size=160)
+
+
+def test_encode_decode_match_transformers(tok_dir):
+    ours = load_tokenizer(tok_dir)
+    ref = AutoTokenizer.from_pretrained(tok_dir)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"]
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.encode("hello world")[0] == ours.bos_token_id == 1
+    assert ours.vocab_size == 160 and ours.token_to_id("</s>") == 2
+
+
+def test_add_bos_token_false_overrides(tok_dir):
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+    ids = load_tokenizer(tok_dir).encode("hello world")
+    assert ids[0] != 1 and len(ids) == 2
+
+
+def test_add_bos_token_true_without_post_processor(tmp_path):
+    tok = HFTokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "hi": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tmp_path.joinpath("tokenizer.json").write_text(tok.to_str())
+    assert load_tokenizer(tmp_path).encode("hi hi") == [2, 2]  # Qwen2-like: no BOS
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>"}, "add_bos_token": True}))
+    assert load_tokenizer(tmp_path).encode("hi hi") == [1, 2, 2]
+
+
+def test_no_tokenizer_json_gives_none(tmp_path):
+    assert load_tokenizer(tmp_path) is None
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_tokenizer(tmp_path / "absent")
+    (tmp_path / "tokenizer.json").write_text("{broken")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_tokenizer(tmp_path)
