@@ -115,7 +115,7 @@ def load_gpu_extension(verbose: bool = False) -> object | None:
         cuda_flags = ["-O3", *_rocm_arch_flags()]
     else:
         sources = [CSRC / "gpu_ext.cpp", CSRC / "kernels.cu"]
-        cuda_flags = ["-O3", "-std=c++17"]
+        cuda_flags = ["-O3"]
     try:
         _LOADED[GPU_EXT] = _load(GPU_EXT, sources, ["-O3"], cuda_flags, verbose)
     except Exception as error:  # a toolchain problem must not stop the engine: use torch ops

@@ -58,7 +58,7 @@ class Eagle1Head(nn.Module):
         self.layers = nn.ModuleList(Eagle1Layer(config, i, attn_backend, **factory)
                                     for i in range(config.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
-                                          device)
+                                          device, first_row_of_mrope=True)
 
     def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
         return ()
@@ -77,7 +77,9 @@ class Eagle1Head(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, kv_caches: list[LayerKVCache],
                 attn_metadata) -> torch.Tensor:
-        """input_ids [n] (next tokens), positions [n], hidden_states [n, H] -> [n, H]."""
+        """input_ids [n] (next tokens), positions [n] (or the M-RoPE target's [3, n]: row 0
+        is used unless the head's own config has an mrope_section), hidden_states [n, H]
+        -> [n, H]."""
         cos_sin = self.rotary_emb(positions)
         embeds = self.embed_tokens(input_ids)  # [n, H]
         hidden = self.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))

@@ -59,7 +59,7 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps, **factory)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False, **factory)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
-                                          device)
+                                          device, first_row_of_mrope=True)
         # d2t [draft_vocab] int64: target id = draft id + d2t[draft id].
         self.d2t: torch.Tensor | None
         if has_vocab_map:
@@ -92,7 +92,9 @@ class Eagle3Head(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, kv_caches: list[LayerKVCache],
                 attn_metadata) -> torch.Tensor:
-        """input_ids [n] (next tokens), positions [n], hidden_states [n, H] -> [n, H]."""
+        """input_ids [n] (next tokens), positions [n] (or the M-RoPE target's [3, n]: row 0
+        is used unless the head's own config has an mrope_section), hidden_states [n, H]
+        -> [n, H]."""
         if len(kv_caches) != 1:
             raise ValueError(f"EAGLE-3 has one layer, got {len(kv_caches)} KV caches")
         cos_sin = self.rotary_emb(positions)

@@ -67,9 +67,14 @@ class RotaryEmbedding(nn.Module):
     """Turns positions into the (cos, sin) every attention layer of a model applies."""
 
     def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 first_row_of_mrope: bool = False) -> None:
+        """``first_row_of_mrope``: without an ``mrope_section``, take row 0 of [3, num_tokens]
+        positions instead of refusing them (draft heads of an M-RoPE target get the target's
+        positions; for text tokens the three rows are equal)."""
         super().__init__()
         self.head_dim, self.rope_theta, self.rope_scaling = head_dim, rope_theta, rope_scaling
+        self.first_row_of_mrope = first_row_of_mrope
         section = (rope_scaling or {}).get("mrope_section")
         self.mrope_section: tuple[int, ...] | None = tuple(section) if section else None
         if self.mrope_section is not None and sum(self.mrope_section) != head_dim // 2:
@@ -87,6 +92,8 @@ class RotaryEmbedding(nn.Module):
         """positions [num_tokens] (or [3, num_tokens] for M-RoPE) -> cos, sin, each
         [num_tokens, head_dim] float32."""
         inv_freq = self.inv_freq.float()
+        if positions.dim() == 2 and self.mrope_section is None and self.first_row_of_mrope:
+            positions = positions[0]
         if positions.dim() == 2:
             if self.mrope_section is None or positions.shape[0] != 3:
                 raise ValueError(f"positions of shape {list(positions.shape)} need M-RoPE "

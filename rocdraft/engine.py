@@ -52,6 +52,8 @@ class LLM:
         cfg = self.target.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
+        if cfg.sliding_window:  # attention here is full: stay where that equals the window's
+            self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.head, self.draft_backend, self.proposer = None, None, None
         k = spec.num_speculative_tokens if spec else 0
         max_blocks_per_seq = -(-(self.max_model_len + k) // block_size)

@@ -3,7 +3,8 @@
     python scripts/check_hip_kernels.py [--arch gfx942 --arch gfx90a] [--nvcc] [--keep DIR]
 
 Each ``hip_kernels/csrc/*.hip`` is compiled device-only with Debian's clang-19 for gfx942
-(MI300) and gfx90a (MI200), linking ROCm's ``ockl.bc``; one line per file and arch. With
+(MI300) and gfx90a (MI200), linking ROCm's ``ockl.bc``, and host-only (the launchers against
+the HIP 5.2 runtime headers); one line per file and target. With
 ``--nvcc`` the same sources are also compiled for sm_90 through ``csrc/kernels.cu`` and the
 CUDA compatibility header. Exit status 0 only when every compile succeeds.
 
@@ -51,6 +52,12 @@ def clang_command(clang: str, ockl: str, arch: str, source: Path, output: Path) 
     return [clang, "-x", "hip", f"--offload-arch={arch}", "-O3", "--rocm-path=/usr",
             "-nogpulib", "-Xclang", "-mlink-builtin-bitcode", "-Xclang", ockl,
             "--cuda-device-only", "--no-gpu-bundle-output", "-o", str(output), str(source)]
+
+
+def host_command(clang: str, source: Path, output: Path) -> list[str]:
+    """Host side (launchers, hipLaunchKernelGGL, kernel stubs) against the HIP headers."""
+    return [clang, "-x", "hip", f"--offload-arch={DEFAULT_ARCHS[0]}", "-O2", "--rocm-path=/usr",
+            "-nogpulib", "--cuda-host-only", "-c", "-o", str(output), str(source)]
 
 
 def nvcc_command(nvcc: str, output: Path) -> list[str]:
@@ -110,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 output = out_dir / f"{source.stem}.{arch}.co"
                 ok &= run(f"{source.name:22s} {arch}",
                           clang_command(clang, ockl, arch, source, output), output)
+            output = out_dir / f"{source.stem}.host.o"
+            ok &= run(f"{source.name:22s} host  ", host_command(clang, source, output), output)
         if args.nvcc:
             nvcc = shutil.which("nvcc")
             if nvcc is None:

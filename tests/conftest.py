@@ -6,9 +6,15 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1") if not __import__("torch").cuda.is_available() \
-    else None
+if not torch.cuda.is_available():
+    # Triton kernels can only run in the interpreter here; it must be on before any kernel
+    # module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# The test models are tiny: one intra-op thread avoids thread oversubscription on small CI
+# machines (two threads on two busy cores made a tiny linear 30x slower).
+torch.set_num_threads(1)
 
 import rocdraft.backends  # noqa: E402  (registers every backend)
 from rocdraft.backends import registry  # noqa: E402

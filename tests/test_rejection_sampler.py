@@ -162,6 +162,19 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
     assert shuffled[0, :1].tolist() == full[3, :1].tolist()
     # Row 3 has no drafts: a narrower batch (max 2 drafts) leaves it unchanged too.
     assert run([3, 1], width=3)[0, :1].tolist() == full[3, :1].tolist()
+    # A seeded generator lives across steps: what a row consumes in one step must not
+    # depend on the batch either, or its next step would. Two steps, alone vs in a batch of
+    # a different width:
+    def two_steps(rows, width):
+        gen = torch.Generator().manual_seed(99)
+        gens = [gen if i == 3 else None for i in rows]
+        st_ = SamplingTensors.build([params[i] for i in rows], gens, "cpu")
+        n = [min(num[i], width - 1) for i in rows]
+        args = (logits[rows][:, :width], drafts[rows][:, :width - 1], torch.tensor(n), n, st_)
+        rejection_sample(*args)
+        return rejection_sample(*args)[rows.index(3), 0].item()
+
+    assert len({two_steps([3], 1), two_steps([0, 3], 4), two_steps([1, 3, 2], 3)}) == 1
     # And the seed matters: other seeds give other outcomes for row 0.
     outcomes = {tuple(run([0], seed_offset=s)[0].tolist()) for s in range(1, 30)}
     assert len(outcomes) > 3

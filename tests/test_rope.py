@@ -95,6 +95,12 @@ def test_mrope_sections_take_their_own_row():
     torch.testing.assert_close(rope(same), RotaryEmbedding(16, 1e4, None)(same))
 
 
+def test_draft_heads_take_row_zero_of_mrope_positions():
+    rows = torch.stack([torch.tensor([4, 9, 2]), torch.tensor([0, 0, 0]), torch.tensor([1, 1, 1])])
+    head_rope = RotaryEmbedding(16, 1e4, None, first_row_of_mrope=True)
+    torch.testing.assert_close(head_rope(rows), RotaryEmbedding(16, 1e4, None)(rows[0]))
+
+
 def test_bad_positions_and_sections():
     with pytest.raises(ValueError, match="M-RoPE"):
         RotaryEmbedding(16, 1e4, None)(torch.zeros(3, 4, dtype=torch.long))

@@ -110,6 +110,21 @@ def test_round_half_to_even_like_torch(dtype):
     _assert_same_cache(cache, twin)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPES[1]])
+def test_many_tokens_span_several_programs(dtype):
+    num_tokens, num_blocks = 150, 12  # 150 of 192 slots, shuffled, some padding
+    caches = [allocate_kv_cache(1, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype,
+                                DEVICE)[0] for _ in range(2)]
+    g = torch.Generator().manual_seed(6)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=g)[:num_tokens]
+    slots[::7] = -1
+    qkv = _wide_range_qkv(num_tokens, torch.float32, seed=7)
+    key, value = qkv[:, :NUM_KV_HEADS], qkv[:, NUM_KV_HEADS:2 * NUM_KV_HEADS]
+    write_kv_reference(key, value, caches[0], slots.to(DEVICE))
+    write_kv_triton(key, value, caches[1], slots.to(DEVICE))
+    _assert_same_cache(*caches)
+
+
 def test_all_padding_and_empty_batches_write_nothing():
     ref_cache, tri_cache = _cache_pair(NHD, torch.float16, "none")
     before = tri_cache.key.clone()

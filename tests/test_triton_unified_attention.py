@@ -12,7 +12,7 @@ from rocdraft.backends.kv_cache import (FP8_DTYPES, SPLIT_K, allocate_kv_cache,
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.torch_sdpa import TorchSDPABuilder, paged_attention_reference
 from rocdraft.backends.triton_attn import HEAD_SIZES
-from rocdraft.backends.triton_kernels.unified_attention import unified_attention
+from rocdraft.backends.triton_kernels.unified_attention import launch_config, unified_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -51,8 +51,16 @@ def make_batch(query_lens, context_lens, *, block_size=16, num_heads=4, num_kv_h
     return query, cache, common
 
 
-def assert_matches_reference(query, cache, common, scale=0.3):
-    out = unified_attention(query, cache, common, scale)
+def gpu_tiling(query, cache, common):
+    """The launch config a GPU would use (the interpreter otherwise takes the big tiles)."""
+    group = query.shape[1] // cache.key.shape[2]
+    return launch_config(query.shape[0], common.num_reqs, common.max_query_len, group,
+                         query.shape[2], interpreted=False)
+
+
+def assert_matches_reference(query, cache, common, scale=0.3, tiling="auto"):
+    launch = gpu_tiling(query, cache, common) if tiling == "gpu" else None
+    out = unified_attention(query, cache, common, scale, launch)
     ref = paged_attention_reference(query, cache, TorchSDPABuilder().build(common), scale)
     assert out.shape == query.shape and out.dtype == query.dtype
     real = common.num_actual_tokens
@@ -63,26 +71,38 @@ def assert_matches_reference(query, cache, common, scale=0.3):
     return out
 
 
+@pytest.mark.parametrize("tiling", ["auto", "gpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_mixed_prefill_decode_and_multi_token(dtype, block_size):
+def test_mixed_prefill_decode_and_multi_token(dtype, block_size, tiling):
     # decode, prefill from scratch, verify 1 + 2 drafts, long-context decode, chunked prefill
     query, cache, common = make_batch([1, 9, 3, 1, 4], [7, 0, 12, 30, 2], dtype=dtype,
                                       block_size=block_size)
-    assert_matches_reference(query, cache, common)
+    assert_matches_reference(query, cache, common, tiling=tiling)
 
 
+@pytest.mark.parametrize("tiling", ["auto", "gpu"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 1)])
-def test_gqa_group_sizes(num_heads, num_kv_heads):
+def test_gqa_group_sizes(num_heads, num_kv_heads, tiling):
     query, cache, common = make_batch([1, 5, 2], [4, 3, 17], num_heads=num_heads,
                                       num_kv_heads=num_kv_heads)
-    assert_matches_reference(query, cache, common)
+    assert_matches_reference(query, cache, common, tiling=tiling)
 
 
-def test_long_prefill_uses_wide_tiles():
-    # max_query_len * group > 16 switches to 64-row programs.
-    query, cache, common = make_batch([37, 1, 6], [10, 20, 0], block_size=8, seed=1)
-    assert_matches_reference(query, cache, common)
+def test_gpu_tiling_of_decode_batches():
+    """Decode-only batches: 16-row programs, several programs per request group."""
+    query, cache, common = make_batch([1, 1, 1, 1, 1], [3, 40, 17, 0, 9], num_heads=4,
+                                      num_kv_heads=1, seed=8)
+    cfg = gpu_tiling(query, cache, common)
+    assert (cfg.block_q, cfg.block_m) == (4, 16)
+    assert_matches_reference(query, cache, common, tiling="gpu")
+
+
+@pytest.mark.parametrize("tiling", ["auto", "gpu"])
+def test_long_prefill(tiling):
+    # Several query blocks per request; on a GPU max_query_len * group > 16 takes 64 rows.
+    query, cache, common = make_batch([37, 1, 70], [10, 20, 0], block_size=8, seed=1)
+    assert_matches_reference(query, cache, common, tiling=tiling)
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
@@ -108,14 +128,15 @@ def _tree_mask() -> torch.Tensor:
     return mask
 
 
+@pytest.mark.parametrize("tiling", ["auto", "gpu"])
 @pytest.mark.parametrize("mask_kind", ["chain", "tree"])
-def test_spec_mask(mask_kind):
+def test_spec_mask(mask_kind, tiling):
     mask = torch.tril(torch.ones(5, 5, dtype=torch.bool)) if mask_kind == "chain" \
         else _tree_mask()
     # Requests whose last 5 query tokens are speculative, one shorter query, one decode.
     query, cache, common = make_batch([5, 6, 2, 1], [3, 11, 20, 8], seed=3)
     common = common.with_updates(spec_mask=mask.to(DEVICE))
-    out = assert_matches_reference(query, cache, common)
+    out = assert_matches_reference(query, cache, common, tiling=tiling)
     if mask_kind == "tree":  # the mask changed the answer: it is not just causal
         plain = unified_attention(query, cache, common.with_updates(spec_mask=None), 0.3)
         assert not torch.allclose(out[:5].float(), plain[:5].float(), atol=1e-2)

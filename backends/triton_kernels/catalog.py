@@ -80,9 +80,10 @@ def _kv_write(variant: str, src: str, cache: str, layout_splits: tuple[int, int,
                   "VALUE_OFF_SPLIT": value_off, "VALUE_DIM_SPLIT": value_dim,
                   "CACHE_KIND": kind.code, "HAS_K_SCALE": kind.code >= 2,
                   "HAS_V_SCALE": kind.code >= 2, "FP8_MAX": kind.fp8_max,
-                  "FP8_MIN_EXP": kind.fp8_min_exp, "BLOCK_H": 8, "BLOCK_D": 128}
+                  "FP8_MIN_EXP": kind.fp8_min_exp, "BLOCK_T": 4, "BLOCK_H": 8,
+                  "BLOCK_D": 128}
     return _spec(f"kv_write[{variant}]", kv_write.kv_write_kernel, types, constexprs,
-                 ("_store_token_rows", "_round_to_bf16_grid", "_round_to_fp8_grid"), backends)
+                 ("_store_rows", "_round_to_bf16_grid", "_round_to_fp8_grid"), backends)
 
 
 def _attention(variant: str, query: str, cache: str, group: int, block_q: int, block_m: int,

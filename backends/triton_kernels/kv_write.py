@@ -1,7 +1,7 @@
 """Paged KV write in Triton: scatter each new token's K/V into its cache slot.
 
 Reference: ``rocdraft.backends.kv_cache.write_kv_reference`` (this kernel is bit-exact with it).
-One program per token writes every head of the token's key and value; ``slot < 0``
+A program writes the key and value of ``BLOCK_T`` tokens (all heads); ``slot < 0``
 (``PADDING_SLOT_ID``) is skipped; the token count is ``slot_mapping.shape[0]`` (key/value may
 be longer, and may be strided views of a fused qkv tensor).
 
@@ -69,29 +69,28 @@ def _round_to_fp8_grid(x, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constex
 
 
 @triton.jit
-def _store_token_rows(src_ptr, src_stride_t, src_stride_h, cache_ptr, scale_ptr, scale_stride,
-                      token, block, offset, valid, num_kv_heads, head_dim,
-                      s_block, s_head, s_off_hi, s_off_lo, s_dim_hi, s_dim_lo,
-                      OFF_SPLIT: tl.constexpr, DIM_SPLIT: tl.constexpr, CACHE_KIND: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Write one token's [num_kv_heads, head_dim] rows of key (or value) into its slot."""
-    heads = tl.arange(0, BLOCK_H)
+def _store_rows(src_ptr, src_stride_t, src_stride_h, cache_ptr, scale_ptr, scale_stride,
+                token, head, block, offset, row_valid, head_dim,
+                s_block, s_head, s_off_hi, s_off_lo, s_dim_hi, s_dim_lo,
+                OFF_SPLIT: tl.constexpr, DIM_SPLIT: tl.constexpr, CACHE_KIND: tl.constexpr,
+                HAS_SCALE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """Write rows (token, head) of key (or value) into the cache; token, head, block, offset
+    and row_valid are [ROWS] vectors."""
     dims = tl.arange(0, BLOCK_D)
-    num_heads_written = tl.where(valid, num_kv_heads, 0)  # 0 for a padding slot
-    mask = (heads[:, None] < num_heads_written) & (dims[None, :] < head_dim)
-    src = src_ptr + token * src_stride_t + heads[:, None] * src_stride_h + dims[None, :]
-    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
+    mask = row_valid[:, None] & (dims[None, :] < head_dim)
+    src = src_ptr + token[:, None] * src_stride_t + head[:, None] * src_stride_h + dims[None, :]
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [ROWS, BLOCK_D]
     if CACHE_KIND == 1:  # bf16
         x = _round_to_bf16_grid(x)
     if CACHE_KIND >= 2:  # fp8: 2 = e4m3fn, 3 = e4m3fnuz
         if HAS_SCALE:
-            scale = tl.load(scale_ptr + heads * scale_stride, mask=heads < num_kv_heads, other=1.0)
+            scale = tl.load(scale_ptr + head * scale_stride, mask=row_valid, other=1.0)
             x = tl.div_rn(x, scale.to(tl.float32)[:, None])
         x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
         x = _round_to_fp8_grid(x, FP8_MIN_EXP, CACHE_KIND == 2)
-    dst = (cache_ptr + block * s_block + heads[:, None] * s_head
-           + (offset // OFF_SPLIT) * s_off_hi + (offset % OFF_SPLIT) * s_off_lo
+    dst = (cache_ptr + block[:, None] * s_block + head[:, None] * s_head
+           + (offset[:, None] // OFF_SPLIT) * s_off_hi + (offset[:, None] % OFF_SPLIT) * s_off_lo
            + (dims[None, :] // DIM_SPLIT) * s_dim_hi + (dims[None, :] % DIM_SPLIT) * s_dim_lo)
     tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -102,29 +101,46 @@ def kv_write_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr,
                     key_stride_t, key_stride_h, value_stride_t, value_stride_h,
                     kc_s_block, kc_s_head, kc_s_off_hi, kc_s_off_lo, kc_s_dim_hi, kc_s_dim_lo,
                     vc_s_block, vc_s_head, vc_s_off_hi, vc_s_off_lo, vc_s_dim_hi, vc_s_dim_lo,
-                    k_scale_stride, v_scale_stride, block_size, num_kv_heads, head_dim,
-                    KEY_OFF_SPLIT: tl.constexpr, KEY_DIM_SPLIT: tl.constexpr,
+                    k_scale_stride, v_scale_stride, num_tokens, block_size, num_kv_heads,
+                    head_dim, KEY_OFF_SPLIT: tl.constexpr, KEY_DIM_SPLIT: tl.constexpr,
                     VALUE_OFF_SPLIT: tl.constexpr, VALUE_DIM_SPLIT: tl.constexpr,
                     CACHE_KIND: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
-                    FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+                    FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, BLOCK_T: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (num_tokens,): program t writes token t's key and value (skipped when slot < 0)."""
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    valid = slot >= 0
+    """Grid (cdiv(num_tokens, BLOCK_T),): a program writes the key and value of BLOCK_T tokens,
+    one row per (token, head); rows whose slot is < 0 are skipped."""
+    rows = tl.arange(0, BLOCK_T * BLOCK_H)
+    token = tl.program_id(0).to(tl.int64) * BLOCK_T + rows // BLOCK_H  # [ROWS]
+    head = rows % BLOCK_H
+    in_batch = token < num_tokens
+    slot = tl.load(slot_mapping_ptr + token, mask=in_batch, other=-1).to(tl.int64)
+    row_valid = (slot >= 0) & (head < num_kv_heads)
     safe_slot = tl.maximum(slot, 0)
     block = safe_slot // block_size
     offset = safe_slot % block_size
-    _store_token_rows(key_ptr, key_stride_t, key_stride_h, key_cache_ptr, k_scale_ptr,
-                      k_scale_stride, token, block, offset, valid, num_kv_heads, head_dim,
-                      kc_s_block, kc_s_head, kc_s_off_hi, kc_s_off_lo, kc_s_dim_hi, kc_s_dim_lo,
-                      KEY_OFF_SPLIT, KEY_DIM_SPLIT, CACHE_KIND, HAS_K_SCALE, FP8_MAX,
-                      FP8_MIN_EXP, BLOCK_H, BLOCK_D)
-    _store_token_rows(value_ptr, value_stride_t, value_stride_h, value_cache_ptr, v_scale_ptr,
-                      v_scale_stride, token, block, offset, valid, num_kv_heads, head_dim,
-                      vc_s_block, vc_s_head, vc_s_off_hi, vc_s_off_lo, vc_s_dim_hi, vc_s_dim_lo,
-                      VALUE_OFF_SPLIT, VALUE_DIM_SPLIT, CACHE_KIND, HAS_V_SCALE, FP8_MAX,
-                      FP8_MIN_EXP, BLOCK_H, BLOCK_D)
+    _store_rows(key_ptr, key_stride_t, key_stride_h, key_cache_ptr, k_scale_ptr, k_scale_stride,
+                token, head, block, offset, row_valid, head_dim,
+                kc_s_block, kc_s_head, kc_s_off_hi, kc_s_off_lo, kc_s_dim_hi, kc_s_dim_lo,
+                KEY_OFF_SPLIT, KEY_DIM_SPLIT, CACHE_KIND, HAS_K_SCALE, FP8_MAX, FP8_MIN_EXP,
+                BLOCK_D)
+    _store_rows(value_ptr, value_stride_t, value_stride_h, value_cache_ptr, v_scale_ptr,
+                v_scale_stride, token, head, block, offset, row_valid, head_dim,
+                vc_s_block, vc_s_head, vc_s_off_hi, vc_s_off_lo, vc_s_dim_hi, vc_s_dim_lo,
+                VALUE_OFF_SPLIT, VALUE_DIM_SPLIT, CACHE_KIND, HAS_V_SCALE, FP8_MAX, FP8_MIN_EXP,
+                BLOCK_D)
+
+
+# Decoration fixed the mode at import (TRITON_INTERPRET was read then).
+INTERPRETED = not isinstance(kv_write_kernel, triton.runtime.JITFunction)
+
+
+def tokens_per_program(num_tokens: int, block_h: int, block_d: int) -> int:
+    """BLOCK_T: on a GPU about 4096 elements per program (a fixed value per head shape, so no
+    recompiles as batches change); in the interpreter, where every program costs Python
+    overhead, up to 64 tokens per program."""
+    if INTERPRETED:
+        return min(triton.next_power_of_2(max(num_tokens, 1)), 64)
+    return max(1, min(16, 4096 // (block_h * block_d)))
 
 
 class CacheKind(NamedTuple):
@@ -227,7 +243,9 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
     v_addr = cache_addressing(cache.value, cache.layout, is_value=True)
     kind = cache_kind(cache.key.dtype)
     k_scale, v_scale = cache.k_scale, cache.v_scale
-    kv_write_kernel[(num_tokens,)](
+    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    block_t = tokens_per_program(num_tokens, block_h, block_d)
+    kv_write_kernel[(triton.cdiv(num_tokens, block_t),)](
         key, value, cache.key, cache.value,
         slot_mapping if k_scale is None else k_scale,  # unused pointer when no scale
         slot_mapping if v_scale is None else v_scale,
@@ -235,9 +253,9 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
         *k_addr.strides, *v_addr.strides,
         0 if k_scale is None or k_scale.shape[0] == 1 else 1,
         0 if v_scale is None or v_scale.shape[0] == 1 else 1,
-        cache.block_size, num_kv_heads, head_dim,
+        num_tokens, cache.block_size, num_kv_heads, head_dim,
         KEY_OFF_SPLIT=k_addr.off_split, KEY_DIM_SPLIT=k_addr.dim_split,
         VALUE_OFF_SPLIT=v_addr.off_split, VALUE_DIM_SPLIT=v_addr.dim_split,
         CACHE_KIND=kind.code, HAS_K_SCALE=k_scale is not None,
         HAS_V_SCALE=v_scale is not None, FP8_MAX=kind.fp8_max, FP8_MIN_EXP=kind.fp8_min_exp,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d)

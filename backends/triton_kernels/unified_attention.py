@@ -35,7 +35,7 @@ from rocdraft.backends.metadata import CommonAttentionMetadata
 
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CACHE_DTYPES = QUERY_DTYPES + FP8_DTYPES
-TILE_N = 32  # keys per inner-loop step (independent of block_size)
+TILE_N = 32  # keys per inner-loop step on a GPU (independent of block_size)
 LOG2E = tl.constexpr(1.4426950408889634)  # a global read by a kernel must be constexpr
 
 
@@ -165,23 +165,26 @@ class LaunchConfig(NamedTuple):
     block_q: int  # query tokens per program
     block_m: int  # rows per program: block_q * group, padded to a power of two >= 16
     block_d: int  # head_dim padded to a power of two >= 16
+    tile_n: int  # keys per inner-loop step
     num_programs: int  # along the query axis
-
-
-def launch_config(num_tokens: int, num_reqs: int, max_query_len: int, group: int,
-                  head_dim: int) -> LaunchConfig:
-    """Tile sizes and grid from host ints only. Decode-only batches use 16 rows per program;
-    batches with longer queries use 64 so prefill chunks need fewer programs."""
-    target_rows = 16 if max_query_len * group <= 16 else 64
-    block_q = max(1, target_rows // group)
-    block_m = max(16, triton.next_power_of_2(block_q * group))
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    return LaunchConfig(block_q, block_m, block_d, num_tokens // block_q + num_reqs)
 
 
 # Decoration fixed the mode at import. The interpreter's tl.dot is wrong on bf16 operands, so
 # there every dot runs in fp32.
 INTERPRETED = not isinstance(unified_attention_kernel, triton.runtime.JITFunction)
+
+
+def launch_config(num_tokens: int, num_reqs: int, max_query_len: int, group: int,
+                  head_dim: int, interpreted: bool = INTERPRETED) -> LaunchConfig:
+    """Tile sizes and grid from host ints only. On a GPU, decode-only batches use 16 rows per
+    program and batches with longer queries 64, so prefill chunks need fewer programs. The
+    interpreter pays per program and per loop step, so there it always takes the big tiles."""
+    target_rows = 16 if max_query_len * group <= 16 and not interpreted else 64
+    block_q = max(1, target_rows // group)
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tile_n = 64 if interpreted else TILE_N
+    return LaunchConfig(block_q, block_m, block_d, tile_n, num_tokens // block_q + num_reqs)
 
 
 def check_attention_args(query: torch.Tensor, cache: LayerKVCache,
@@ -227,9 +230,10 @@ def check_attention_args(query: torch.Tensor, cache: LayerKVCache,
 
 
 def unified_attention(query: torch.Tensor, cache: LayerKVCache, common: CommonAttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, launch: LaunchConfig | None = None) -> torch.Tensor:
     """Checked wrapper: query [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads,
-    head_dim] in the query dtype (rows of padding tokens are zero). Never reads the device."""
+    head_dim] in the query dtype (rows of padding tokens are zero). Never reads the device.
+    ``launch`` overrides ``launch_config`` (tests use it to run the GPU tiling everywhere)."""
     check_attention_args(query, cache, common)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = cache.key.shape[2]
@@ -237,7 +241,8 @@ def unified_attention(query: torch.Tensor, cache: LayerKVCache, common: CommonAt
     if num_tokens == 0 or common.num_reqs == 0:
         return out
     group = num_heads // num_kv_heads
-    cfg = launch_config(num_tokens, common.num_reqs, common.max_query_len, group, head_dim)
+    cfg = launch or launch_config(num_tokens, common.num_reqs, common.max_query_len, group,
+                                  head_dim)
     k_scale, v_scale, spec_mask = cache.k_scale, cache.v_scale, common.spec_mask
     dummy = common.seq_lens  # pointer passed where a tensor is absent (never read)
     spec_u8 = dummy if spec_mask is None else spec_mask.view(torch.uint8)
@@ -257,7 +262,7 @@ def unified_attention(query: torch.Tensor, cache: LayerKVCache, common: CommonAt
         0 if spec_mask is None else spec_mask.shape[0],
         cache.block_size, head_dim,
         GROUP=group, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d,
-        TILE=TILE_N, CAUSAL=common.causal, HAS_SPEC_MASK=spec_mask is not None,
+        TILE=cfg.tile_n, CAUSAL=common.causal, HAS_SPEC_MASK=spec_mask is not None,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None,
         UPCAST_DOT=INTERPRETED or query.dtype == torch.float32)
     return out

@@ -1,0 +1,125 @@
+"""LLM engine (target only): equality with transformers, continuous batching, chunked
+prefill, preemption under KV pressure, seeded sampling, and bad requests failing alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import write_tiny_llama
+from rocdraft.config import SamplingParams
+from rocdraft.engine import LLM
+from rocdraft.errors import RocdraftError
+
+PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11, [1, 9, 3]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    return {kind: write_tiny_llama(root / kind, kind=kind) for kind in ("llama", "llama3", "qwen2")}
+
+
+def hf_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2"])
+def test_greedy_equals_transformers_batched_with_chunked_prefill(checkpoints, kind,
+                                                                  attention_backend):
+    path = checkpoints[kind]
+    # A 16-token budget forces the 29-token prompt through two chunked-prefill steps while
+    # the other requests decode in the same batches.
+    llm = LLM(str(path), attention_backend=attention_backend, max_num_batched_tokens=16)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(path, prompt, 8), prompt
+        assert out.finish_reason == "length"
+
+
+def test_kv_pressure_preempts_and_every_request_matches_its_solo_run(checkpoints):
+    path = str(checkpoints["llama"])
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    solo = LLM(path)
+    expected = [solo.generate([p], params)[0].token_ids for p in PROMPTS]
+    # 18 blocks of 4 tokens hold one full-length request (64 tokens) but not all five.
+    tight = LLM(path, block_size=4, num_kv_blocks=18, max_model_len=64)
+    outs = tight.generate(PROMPTS, params)
+    assert tight.last_stats.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_max_num_seqs_and_different_lengths(checkpoints):
+    path = str(checkpoints["llama"])
+    llm = LLM(path, max_num_seqs=2)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 9, 1, 5, 2)]
+    outs = llm.generate(PROMPTS, params)
+    assert [len(o.token_ids) for o in outs] == [3, 9, 1, 5, 2]
+
+
+def test_stop_token_ids_end_a_request_early(checkpoints):
+    path = str(checkpoints["llama"])
+    llm = LLM(path)
+    free = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8,
+                                                     ignore_eos=True))[0].token_ids
+    stop = free[3]
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8,
+                                                    stop_token_ids=(stop,)))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free[:free.index(stop) + 1]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_neighbours(checkpoints):
+    path = str(checkpoints["llama3"])
+    llm = LLM(path)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=10, seed=1234,
+                            ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], params)[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=4, seed=7, ignore_eos=True)
+    batched = llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]], [other, params, other])
+    assert batched[1].token_ids == alone
+    assert llm.generate([PROMPTS[0]], params)[0].token_ids == alone
+
+
+def test_bad_requests_fail_alone(checkpoints):
+    path = str(checkpoints["llama"])
+    llm = LLM(path, max_model_len=40)
+    prompts = [[], [1, 500, 2], list(range(1, 60)), [1, 2, 3], "text prompt"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert [o.finish_reason for o in outs[:3]] == ["error"] * 3
+    assert "empty prompt" in outs[0].error
+    assert "500" in outs[1].error
+    assert "max_model_len 40" in outs[2].error
+    assert outs[3].finish_reason == "length" and len(outs[3].token_ids) == 4
+    assert outs[4].finish_reason == "length"  # the tiny checkpoint ships a tokenizer
+
+
+def test_generation_stops_at_max_model_len(checkpoints):
+    llm = LLM(str(checkpoints["llama"]), max_model_len=12)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=50,
+                                                    ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert len(PROMPTS[0]) + len(out.token_ids) == 12
+
+
+def test_engine_argument_errors(checkpoints, tmp_path):
+    path = str(checkpoints["llama"])
+    with pytest.raises(RocdraftError, match="cannot hold one request"):
+        LLM(path, block_size=4, num_kv_blocks=2)
+    with pytest.raises(RocdraftError, match="no GPU"):
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is visible")
+        LLM(path, device="cuda")
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(path, dtype="int8")
+    with pytest.raises(RocdraftError):
+        LLM(str(tmp_path / "missing"))
+    llm = LLM(path)
+    with pytest.raises(RocdraftError, match="2 sampling params for 1 prompts"):
+        llm.generate([[1, 2]], [SamplingParams(), SamplingParams()])
