@@ -141,17 +141,20 @@ def write_kv_reference(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCac
         return
     slots = slot_mapping.long()
     valid = slots >= 0
-    anchor = valid.int().argmax()  # first valid row (0 when none is valid)
-    anchor_valid = valid[anchor]
-    target = torch.where(valid, slots, torch.where(anchor_valid, slots[anchor], 0))
+    # First valid row (0 when none is valid); 1-element index tensors, never a Python int.
+    anchor = valid.int().argmax().view(1)
+    anchor_valid = valid.index_select(0, anchor)
+    anchor_slot = torch.where(anchor_valid, slots.index_select(0, anchor), 0)
+    target = torch.where(valid, slots, anchor_slot)
     blocks, offsets = target // cache.block_size, target % cache.block_size
     for new, store, scale in ((key, cache.key, cache.k_scale), (value, cache.value, cache.v_scale)):
         rows = quantize_for_cache(new[:num_tokens], store.dtype, scale)
         index = _element_index(cache.layout, store, blocks, offsets, rows.shape[1], rows.shape[2],
                                is_value=store is cache.value)
         current = store[index]  # [num_tokens, num_kv_heads, head_dim]
-        anchor_row = torch.where(anchor_valid, rows[anchor], current[anchor])
-        store[index] = torch.where(valid.view(-1, 1, 1), rows, anchor_row.unsqueeze(0))
+        anchor_row = torch.where(anchor_valid.view(1, 1, 1), rows.index_select(0, anchor),
+                                 current.index_select(0, anchor))  # [1, Hk, D]
+        store[index] = torch.where(valid.view(-1, 1, 1), rows, anchor_row)
 
 
 def _element_index(layout: str, store: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,

@@ -87,9 +87,11 @@ def token_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     batch_size = qsl.shape[0] - 1
     tokens = torch.arange(num_tokens, device=qsl.device)
     req = torch.searchsorted(qsl[1:], tokens, right=True)  # [num_tokens] in [0, batch_size]
-    safe_req = req.clamp(max=max(batch_size - 1, 0))
-    index = tokens - qsl[safe_req]
-    query_len = qsl[safe_req + 1] - qsl[safe_req]
-    position = seq_lens.long()[safe_req] - query_len + index
+    # One scratch entry past the end, so padding rows index safely (even with no request).
+    qsl_ext = torch.cat([qsl, qsl[-1:]])  # [batch_size + 2]
+    seq_lens_ext = torch.cat([seq_lens.long(), seq_lens.new_zeros(1, dtype=torch.long)])
+    index = tokens - qsl_ext[req]
+    query_len = qsl_ext[req + 1] - qsl_ext[req]
+    position = seq_lens_ext[req] - query_len + index
     padding = req >= batch_size
     return req, index.masked_fill(padding, 0), position.masked_fill(padding, 0)

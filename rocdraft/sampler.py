@@ -37,7 +37,10 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     """logits [n, vocab] float32 -> probabilities [n, vocab] after temperature, top-k, top-p.
     Greedy rows (temperature 0) get a one-hot on their argmax."""
     greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    # Shift by the row max first (softmax is shift-invariant): a tiny temperature then sends
+    # the other logits to -inf instead of the max to +inf (inf - inf would give NaN).
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    scaled = shifted / torch.where(greedy, 1.0, temperature).unsqueeze(1)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
     drop = (top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1))

@@ -63,7 +63,7 @@ def shim_fp8(shim, f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def structured_float_bits() -> torch.Tensor:
     """Every sign and exponent, crossed with mantissas that sit on, just below and just above a
     rounding tie at every bit position (the subnormal fp8 range rounds at other positions than
-    the normal range), with varied high bits. ~1.3M float32 bit patterns."""
+    the normal range), with varied high bits. ~280K float32 bit patterns."""
     shifts = torch.arange(1, 24, dtype=torch.int64).view(-1, 1, 1)
     half = 1 << (shifts - 1)
     lows = torch.cat([half - 1, half, half + 1, torch.zeros_like(half), 2 * half - 1], dim=2)

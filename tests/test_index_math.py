@@ -178,8 +178,8 @@ def test_prepare_inputs_padded_matches_naive_loop(data):
         valid.append(data.draw(st.integers(1, d + 1)) if d else data.draw(st.integers(0, 1)))
     qsl = prefix_sum(query_lens)
     indices, rejected = prepare_inputs_padded(torch.tensor(qsl, dtype=torch.int32),
-                                              torch.tensor(num_drafts), torch.tensor(valid,
-                                                                                     dtype=torch.int32))
+                                              torch.tensor(num_drafts),
+                                              torch.tensor(valid, dtype=torch.int32))
     for i in range(batch_size):
         r = num_drafts[i] + 1 - valid[i] if num_drafts[i] else 0
         assert int(rejected[i]) == r

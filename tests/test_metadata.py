@@ -45,6 +45,13 @@ def test_token_layout_matches_naive_loop(query_lens, cached, padding):
     assert (req.tolist(), index.tolist(), pos.tolist()) == want
 
 
+def test_token_layout_padding_only_batch():
+    # A graph bucket with no real request: every token is padding, routed to row 0 == batch_size.
+    req, index, pos = token_layout(torch.tensor([0], dtype=torch.int32),
+                                   torch.zeros(0, dtype=torch.int32), 3)
+    assert (req.tolist(), index.tolist(), pos.tolist()) == ([0] * 3, [0] * 3, [0] * 3)
+
+
 def worked_example(device="cpu"):
     block_table = torch.tensor([[0, 1, -1], [2, -1, -1], [3, 4, 5]])
     slot_mapping = torch.tensor([5, 8, 9, 10, 18, 19, 20])

@@ -75,6 +75,14 @@ def test_temperature_scales_logits():
         torch.testing.assert_close(probs, (logits / t).softmax(-1))
 
 
+def test_tiny_temperature_is_finite_and_near_greedy():
+    # A valid temperature so small that logits / temperature overflows must not give NaN.
+    logits = torch.tensor([[1.0, 2.0, -1.0], [30.0, -5.0, 29.0]])
+    probs = target_probs(logits, torch.tensor([1e-40, 1e-30]), torch.zeros(2, dtype=torch.long),
+                         torch.ones(2))
+    assert probs.tolist() == [[0, 1, 0], [1, 0, 0]]
+
+
 def test_top_k():
     logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0]])
     probs = target_probs(logits, torch.ones(1), torch.tensor([2]), torch.ones(1))

@@ -215,6 +215,17 @@ def test_decode_only_batch_with_padding():
     torch.testing.assert_close(out[:3], case.expected(), atol=1e-5, rtol=1e-5)
 
 
+def test_padding_only_batch():
+    cache = allocate_kv_cache(1, 2, 4, 1, 8, torch.float32, "cpu")[0]
+    common = CommonAttentionMetadata.from_cpu([0], [], torch.zeros(0, 2), torch.full((3,), -1),
+                                              "cpu")
+    out = TorchSDPAImpl(2, 1, 8, 0.3).forward(torch.randn(3, 2, 8), torch.randn(3, 1, 8),
+                                              torch.randn(3, 1, 8), cache,
+                                              TorchSDPABuilder("cpu").build(common))
+    assert out.shape == (3, 2, 8) and torch.isfinite(out).all()
+    assert not cache.key.any() and not cache.value.any()
+
+
 def test_chain_spec_mask_equals_plain_causal():
     specs = [(4, 4), (0, 5), (9, 4)]
     plain = Case(specs, seed=7).run()
