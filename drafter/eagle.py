@@ -43,6 +43,8 @@ class EagleProposer:
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
         self.arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.arange_cpu = torch.arange(max_num_seqs + 1, dtype=torch.int32)
+        # Set by the engine on GPUs (drafter/graphs.py); None runs the steps eagerly.
+        self.graph_runner = None
 
     def validate_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
         """All draft layers must share one KV-cache group: same block size, blocks, layout."""
@@ -128,7 +130,6 @@ class EagleProposer:
         hidden = self.head(input_ids, target_positions, hidden, kv_caches, metadata)
         sample_hidden = hidden[last_token_indices]  # [B, H]
         draft_ids = self._greedy(sample_hidden)
-        drafts = [draft_ids]
         if self.num_speculative_tokens == 1:
             return draft_ids.view(-1, 1)
 
@@ -136,22 +137,50 @@ class EagleProposer:
         seq_lens = common.seq_lens
         if num_rejected is not None:  # padded path: seq_len ends at the sampled token
             seq_lens = (seq_lens - num_rejected).to(torch.int32)
+        steps = self.num_speculative_tokens - 1
+        runner = self.graph_runner
+        if runner is not None and positions.dim() == 1 and runner.accepts(batch_size):
+            rest = runner.run(draft_ids, positions, seq_lens, sample_hidden, common.block_table,
+                              common.max_seq_len)
+        else:
+            rest = self.draft_steps(draft_ids, positions, seq_lens, sample_hidden,
+                                    common.block_table, kv_caches,
+                                    seq_len_bound=common.max_seq_len)
+        return torch.cat([draft_ids.view(-1, 1), rest], dim=1)  # [B, k]
+
+    def draft_steps(self, draft_ids: torch.Tensor, positions: torch.Tensor,
+                    seq_lens: torch.Tensor, hidden: torch.Tensor, block_table: torch.Tensor,
+                    kv_caches: list[LayerKVCache], seq_len_bound: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The k-1 single-token draft steps, sync-free and graph-capturable.
+
+        draft_ids [B] (the first draft), positions [B] (or [3, B]; position of the token that
+        produced it), seq_lens [B] int32 (its sequence length), hidden [B, H] (its hidden
+        state), block_table [B, max_blocks_per_seq], seq_len_bound: a host upper bound of
+        every seq_len -> drafts 2..k [B, k-1] (written into ``out`` when given).
+        """
+        batch_size = draft_ids.shape[0]
+        steps = self.num_speculative_tokens - 1
+        if out is None:
+            out = torch.empty(batch_size, steps, dtype=torch.long, device=draft_ids.device)
         query_start_loc = self.arange[:batch_size + 1]
         query_start_loc_cpu = self.arange_cpu[:batch_size + 1]
-        for draft_index in range(1, self.num_speculative_tokens):
+        # One host upper bound for every step (seq_lens grow by at most `steps`).
+        max_seq_len = min(seq_len_bound + steps, self.max_model_len)
+        seq_lens_cpu = torch.full((batch_size,), max_seq_len, dtype=torch.int32)
+        for draft_index in range(1, steps + 1):
             positions, clamped, slots, seq_lens = advance_draft_step_(
-                positions, seq_lens, common.block_table, self.block_size, self.max_model_len)
+                positions, seq_lens, block_table, self.block_size, self.max_model_len)
             step_common = CommonAttentionMetadata(
                 query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc_cpu,
-                seq_lens=seq_lens, seq_lens_cpu=common.seq_lens_cpu + draft_index,  # bound
-                num_reqs=batch_size, num_actual_tokens=batch_size, max_query_len=1,
-                max_seq_len=min(common.max_seq_len + draft_index, self.max_model_len),
-                block_table=common.block_table, slot_mapping=slots, causal=True)
+                seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, num_reqs=batch_size,
+                num_actual_tokens=batch_size, max_query_len=1, max_seq_len=max_seq_len,
+                block_table=block_table, slot_mapping=slots, causal=True)
             metadata = self.builder.build_for_drafting(step_common, draft_index)
-            sample_hidden = self.head(draft_ids, clamped, sample_hidden, kv_caches, metadata)
-            draft_ids = self._greedy(sample_hidden)
-            drafts.append(draft_ids)
-        return torch.stack(drafts, dim=1)
+            hidden = self.head(draft_ids, clamped, hidden, kv_caches, metadata)
+            draft_ids = self._greedy(hidden)
+            out[:, draft_index - 1] = draft_ids
+        return out
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, H] -> [B] target-vocabulary ids of the head's argmax."""

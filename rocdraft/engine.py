@@ -5,6 +5,7 @@ backends through the registry, allocates the paged KV caches, and runs continuou
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -15,6 +16,7 @@ from rocdraft.backends.base import Feature
 from rocdraft.backends.kv_cache import allocate_kv_cache
 from rocdraft.config import (EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig)
 from rocdraft.drafter.eagle import EagleProposer
+from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets, graph_capture_refusal
 from rocdraft.errors import RocdraftError
 from rocdraft.loading import load_draft_head, load_target_model
 from rocdraft.outputs import GenerationStats, RequestOutput
@@ -25,6 +27,7 @@ from rocdraft.sampler import SamplingTensors
 from rocdraft.scheduler import Scheduler, ScheduledRequest
 from rocdraft.step_batch import StepBatch, build_step_batch
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,6 +58,7 @@ class LLM:
         if cfg.sliding_window:  # attention here is full: stay where that equals the window's
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.head, self.draft_backend, self.proposer = None, None, None
+        self.draft_graph_refusal: str | None = "no speculative decoding"
         k = spec.num_speculative_tokens if spec else 0
         max_blocks_per_seq = -(-(self.max_model_len + k) // block_size)
         num_blocks = num_kv_blocks or max_num_seqs * max_blocks_per_seq
@@ -93,6 +97,15 @@ class LLM:
             max_model_len=self.max_model_len, block_size=block_size,
             vocab_size=self.target.config.vocab_size, device=self.device)
         self.proposer.validate_kv_caches(self.draft_kv_caches)
+        self.draft_graph_refusal = graph_capture_refusal(self.draft_backend, self.device,
+                                                         spec.enforce_eager)
+        if self.draft_graph_refusal is None and spec.num_speculative_tokens > 1:
+            self.proposer.graph_runner = DraftLoopRunner(
+                self.proposer, self.draft_kv_caches, self.head.config.hidden_size,
+                self.scheduler_config.max_blocks_per_seq, capture_buckets(max_num_seqs),
+                use_graphs=True)
+        else:
+            log.info("draft loop runs eagerly: %s", self.draft_graph_refusal)
 
     # --- public API ------------------------------------------------------------------------
 

@@ -225,7 +225,9 @@ def save_head(head, cfg, out: Path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--head", choices=["eagle1", "eagle3"], required=True)
+    ap.add_argument("--head", choices=["eagle1", "eagle3"], default=None)
+    ap.add_argument("--data-only", action="store_true",
+                    help="only build the shared data cache (--data-cache) and exit")
     ap.add_argument("--target", default=str(bc.DEFAULT_DIR / "target"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--minutes", type=float, default=25.0, help="total wall-clock budget")
@@ -251,7 +253,7 @@ def main():
     t0 = time.time()
     deadline = t0 + args.minutes * 60
     bc.setup(args.seed, args.threads)
-    out = Path(args.out or bc.DEFAULT_DIR / args.head)
+    out = Path(args.out or bc.DEFAULT_DIR / (args.head or "eagle"))
     log(f"{args.head} training: {vars(args)} {bc.thread_note()}")
 
     target = load_target(args.target)
@@ -267,6 +269,9 @@ def main():
                 "eval": build_eval_data(target, tok, args)}
         torch.save(data, cache)
     train, eval_data = data["train"], data["eval"]
+    if args.data_only or args.head is None:
+        log(f"data cache ready: {cache} ({train['tokens'].shape[0]} sequences)")
+        return
     N, T = train["tokens"].shape
     log(f"data: {N} sequences x {T} tokens, {len(eval_data[0])} held-out eval sequences")
 
