@@ -34,6 +34,17 @@ class TorchSDPABuilder(MetadataBuilder):
                                             common.slot_mapping.shape[0])
         return TorchSDPAMetadata(common, req, index, position)
 
+    def build_for_drafting(self, common: CommonAttentionMetadata,
+                           draft_index: int) -> TorchSDPAMetadata:
+        """Draft steps have one query token per request: token i is request i at position
+        seq_lens[i] - 1 (3 ops, no search). Other shapes take the general path."""
+        num_tokens = common.slot_mapping.shape[0]
+        if common.max_query_len == 1 and common.num_reqs == num_tokens:
+            req = torch.arange(num_tokens, device=common.seq_lens.device)
+            return TorchSDPAMetadata(common, req, torch.zeros_like(req),
+                                     common.seq_lens.long() - 1)
+        return self.build(common)
+
 
 def paged_attention_reference(query: torch.Tensor, cache: LayerKVCache,
                               meta: TorchSDPAMetadata, scale: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.registry import require
 from rocdraft.drafter import index_math
-from rocdraft.drafter.step_update import advance_draft_step_
+from rocdraft.drafter.step_update import DraftStepIndexer
 from rocdraft.errors import RocdraftError
 
 
@@ -161,26 +161,28 @@ class EagleProposer:
         """
         batch_size = draft_ids.shape[0]
         steps = self.num_speculative_tokens - 1
-        if out is None:
-            out = torch.empty(batch_size, steps, dtype=torch.long, device=draft_ids.device)
         query_start_loc = self.arange[:batch_size + 1]
         query_start_loc_cpu = self.arange_cpu[:batch_size + 1]
         # One host upper bound for every step (seq_lens grow by at most `steps`).
         max_seq_len = min(seq_len_bound + steps, self.max_model_len)
         seq_lens_cpu = torch.full((batch_size,), max_seq_len, dtype=torch.int32)
+        indexer = DraftStepIndexer(positions, seq_lens, block_table, steps, self.block_size,
+                                   self.max_model_len)
+        drafts = []
         for draft_index in range(1, steps + 1):
-            positions, clamped, slots, seq_lens = advance_draft_step_(
-                positions, seq_lens, block_table, self.block_size, self.max_model_len)
+            clamped, slots, step_seq_lens = indexer.step(draft_index)
             step_common = CommonAttentionMetadata(
                 query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc_cpu,
-                seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu, num_reqs=batch_size,
+                seq_lens=step_seq_lens, seq_lens_cpu=seq_lens_cpu, num_reqs=batch_size,
                 num_actual_tokens=batch_size, max_query_len=1, max_seq_len=max_seq_len,
                 block_table=block_table, slot_mapping=slots, causal=True)
             metadata = self.builder.build_for_drafting(step_common, draft_index)
             hidden = self.head(draft_ids, clamped, hidden, kv_caches, metadata)
             draft_ids = self._greedy(hidden)
-            out[:, draft_index - 1] = draft_ids
-        return out
+            drafts.append(draft_ids)
+        if out is None:
+            return torch.stack(drafts, dim=1)
+        return torch.stack(drafts, dim=1, out=out)
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, H] -> [B] target-vocabulary ids of the head's argmax."""

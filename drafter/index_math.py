@@ -129,3 +129,32 @@ def prepare_inputs_cpu(query_start_loc_cpu: torch.Tensor, num_rejected_cpu: torc
     offset_in_req = torch.arange(total) - new_qsl[req].long()
     token_indices = query_start_loc_cpu[req].long() + offset_in_req
     return new_qsl, token_indices
+
+
+def draft_step_schedule(positions: torch.Tensor, seq_lens: torch.Tensor,
+                        block_table: torch.Tensor, num_steps: int, block_size: int,
+                        max_model_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every draft step's bookkeeping at once: equal to calling ``advance_draft_step``
+    ``num_steps`` times (positions only grow, so a row that exceeds stays exceeded).
+
+    positions [B] int64 (or [3, B] M-RoPE, row 0 drives clamping and slots), seq_lens [B],
+    block_table [B, max_blocks_per_seq]
+    -> (clamped_positions [B, num_steps] (or [3, B, num_steps]), slot_mapping [B, num_steps]
+    int64, seq_lens [B, num_steps] int32); column i is draft step i + 1.
+
+    Example, block_size 4, max_model_len 10, block_table [[3, 7, 1], [2, 5, 6]],
+    positions [4, 8], seq_lens [5, 9], num_steps 2
+    -> clamped [[5, 6], [9, 0]], slots [[29, 30], [25, -1]], seq_lens [[6, 7], [10, 1]].
+    """
+    steps = torch.arange(1, num_steps + 1, device=positions.device)
+    new_positions = positions.unsqueeze(-1) + steps  # [B, S] or [3, B, S]
+    first_row = new_positions if positions.dim() == 1 else new_positions[0]
+    exceeds = first_row >= max_model_len  # [B, S]
+    clamped = new_positions.masked_fill(exceeds, 0)
+    clamped_row = clamped if positions.dim() == 1 else clamped[0]
+    block_col = (clamped_row // block_size).clamp(max=block_table.shape[1] - 1)
+    block_ids = block_table.gather(1, block_col)  # [B, S]
+    slots = (block_ids * block_size + clamped_row % block_size).masked_fill(exceeds,
+                                                                              PADDING_SLOT_ID)
+    new_seq_lens = (seq_lens.unsqueeze(-1) + steps).masked_fill(exceeds, 1).to(torch.int32)
+    return clamped, slots, new_seq_lens

@@ -49,7 +49,10 @@ class Request:
 
     def append_tokens(self, tokens: list[int], max_model_len: int) -> int:
         """Append accepted tokens, stopping at EOS / a stop id / max_tokens / max_model_len.
-        Returns how many were appended (tokens after a stop are never emitted)."""
+        Returns how many were appended (tokens after a stop are never emitted, nor are any
+        once the request is finished)."""
+        if self.is_finished:
+            return 0
         stops = set(self.params.stop_token_ids)
         if not self.params.ignore_eos:
             stops.update(self.eos_token_ids)

@@ -29,7 +29,7 @@ DTYPE_PAIRS = [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
     (src, fp8) for fp8 in (FN, FNUZ) for src in (torch.float16, torch.bfloat16, torch.float32)]
 SHORT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32", FN: "e4m3fn",
          FNUZ: "e4m3fnuz"}
-HYPOTHESIS = settings(max_examples=30, deadline=None,
+HYPOTHESIS = settings(max_examples=50, deadline=None,
                       suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

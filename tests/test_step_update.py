@@ -1,0 +1,53 @@
+"""Draft-step bookkeeping dispatch: the vectorised torch schedule equals iterating the
+per-step reference; the fused kernels (Triton, HIP) are checked against the same reference
+in their own test files and, on a GPU, through this dispatcher (tests/test_gpu_kernels.py)."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rocdraft.drafter.index_math import advance_draft_step, draft_step_schedule
+from rocdraft.drafter.step_update import DraftStepIndexer
+
+
+def test_schedule_docstring_example():
+    clamped, slots, seq_lens = draft_step_schedule(
+        torch.tensor([4, 8]), torch.tensor([5, 9], dtype=torch.int32),
+        torch.tensor([[3, 7, 1], [2, 5, 6]], dtype=torch.int32), 2, 4, 10)
+    assert clamped.tolist() == [[5, 6], [9, 0]]
+    assert slots.tolist() == [[29, 30], [25, -1]]
+    assert seq_lens.tolist() == [[6, 7], [10, 1]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5), st.sampled_from([1, 2, 4, 16]),
+       st.integers(4, 40), st.integers(0, 2 ** 16))
+def test_schedule_equals_iterated_reference(batch_size, num_steps, block_size, max_model_len,
+                                            seed):
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max_model_len // block_size)
+    block_table = torch.randint(0, 50, (batch_size, width), generator=g, dtype=torch.int32)
+    positions = torch.randint(0, max_model_len + 3, (batch_size,), generator=g)
+    seq_lens = (positions + 1).to(torch.int32)
+    clamped, slots, seq = draft_step_schedule(positions, seq_lens, block_table, num_steps,
+                                              block_size, max_model_len)
+    indexer = DraftStepIndexer(positions, seq_lens, block_table, num_steps, block_size,
+                               max_model_len)
+    p, s = positions, seq_lens
+    for i in range(num_steps):
+        p, c, sl, s = advance_draft_step(p, s, block_table, block_size, max_model_len)
+        assert torch.equal(clamped[:, i], c)
+        assert torch.equal(slots[:, i], sl)
+        assert torch.equal(seq[:, i], s.to(torch.int32))
+        step = indexer.step(i + 1)
+        assert all(torch.equal(a, b) for a, b in zip(step, (c, sl, s.to(torch.int32))))
+
+
+def test_schedule_mrope_rows_follow_row_zero():
+    positions = torch.tensor([[7, 8], [7, 8], [5, 6]])
+    clamped, slots, seq = draft_step_schedule(positions, torch.tensor([8, 9]),
+                                              torch.zeros(2, 3, dtype=torch.int32), 2, 4, 10)
+    assert clamped.tolist() == [[[8, 9], [9, 0]], [[8, 9], [9, 0]], [[6, 7], [7, 0]]]
+    assert slots[1].tolist() == [1, -1]
+    assert seq.tolist() == [[9, 10], [10, 1]]
