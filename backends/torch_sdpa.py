@@ -41,8 +41,7 @@ class TorchSDPABuilder(MetadataBuilder):
         num_tokens = common.slot_mapping.shape[0]
         if common.max_query_len == 1 and common.num_reqs == num_tokens:
             req = torch.arange(num_tokens, device=common.seq_lens.device)
-            return TorchSDPAMetadata(common, req, torch.zeros_like(req),
-                                     common.seq_lens.long() - 1)
+            return TorchSDPAMetadata(common, req, torch.zeros_like(req), common.seq_lens - 1)
         return self.build(common)
 
 
@@ -73,7 +72,8 @@ def paged_attention_reference(query: torch.Tensor, cache: LayerKVCache,
     idx = meta.token_index.clamp(max=max_q)
     padded_q = query.new_zeros(batch_size + 1, max_q + 1, num_heads, head_dim, dtype=torch.float32)
     padded_q[req, idx] = query.float()
-    q_pos = torch.full((batch_size + 1, max_q + 1), -1, dtype=torch.long, device=query.device)
+    q_pos = torch.full((batch_size + 1, max_q + 1), -1, dtype=meta.token_position.dtype,
+                       device=query.device)
     q_pos[req, idx] = meta.token_position
     padded_q, q_pos = padded_q[:batch_size], q_pos[:batch_size]
 

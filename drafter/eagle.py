@@ -39,8 +39,7 @@ class EagleProposer:
         self.max_model_len, self.block_size = max_model_len, block_size
         self.vocab_size, self.device = vocab_size, device
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
-        # Persistent buffers, sized once (a graph runner captures reads of these).
-        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
+        # Persistent buffers, sized once (the graph runner keeps its own static inputs).
         self.arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.arange_cpu = torch.arange(max_num_seqs + 1, dtype=torch.int32)
         # Set by the engine on GPUs (drafter/graphs.py); None runs the steps eagerly.
@@ -122,9 +121,8 @@ class EagleProposer:
             raise RocdraftError(f"batch of {num_tokens} tokens / {batch_size} requests exceeds "
                                 f"the proposer's buffers ({self.max_num_tokens} / "
                                 f"{self.max_num_seqs})")
-        input_ids = self.input_ids[:num_tokens]
-        input_ids.copy_(index_math.shift_input_ids(target_token_ids, next_token_ids,
-                                                   last_token_indices))
+        input_ids = index_math.shift_input_ids(target_token_ids, next_token_ids,
+                                               last_token_indices)
         hidden = self.head.combine_hidden_states(target_hidden_states)  # [num_tokens, H]
         metadata = self.builder.build(common)
         hidden = self.head(input_ids, target_positions, hidden, kv_caches, metadata)

@@ -22,10 +22,10 @@ def shift_input_ids(target_token_ids: torch.Tensor, next_token_ids: torch.Tensor
     Example (three requests, last indices [0, 2, 5]):
     ``[a1, b1, b2, c1, c2, c3]`` with next ``[a2, b3, c4]`` -> ``[a2, b2, b3, c2, c3, c4]``.
     """
-    shifted = torch.empty_like(target_token_ids)
-    shifted[:-1] = target_token_ids[1:]
-    shifted[-1:] = target_token_ids[-1:]
-    shifted[last_token_indices.long()] = next_token_ids.to(shifted.dtype)
+    # roll wraps the first id into the last position; that position is always some request's
+    # last index (overwritten next) or, on the padded path, a rejected padding token.
+    shifted = target_token_ids.roll(-1)
+    shifted[last_token_indices] = next_token_ids.to(shifted.dtype)
     return shifted
 
 
@@ -77,12 +77,12 @@ def prepare_next_token_ids_padded(sampled: torch.Tensor, discard_request: torch.
     -> next [7, 2, 3], valid_count [2, 0, 0].
     """
     valid = (sampled >= 0) & (sampled < vocab_size)
-    count = valid.sum(dim=1).to(torch.int32)
-    count = count.masked_fill(discard_request, 0)
-    last = (count.long() - 1).clamp(min=0).view(-1, 1)
-    last_token = sampled.gather(1, last).view(-1)
-    next_ids = torch.where(count > 0, last_token, backup_next_token_ids.to(sampled.dtype))
-    return next_ids.long(), count
+    count = valid.sum(dim=1).masked_fill(discard_request, 0)  # [batch_size] int64
+    # Column 0 holds the backup, so gathering at `count` picks the last valid sampled token,
+    # or the backup when count is 0.
+    with_backup = torch.cat([backup_next_token_ids.to(sampled.dtype).view(-1, 1), sampled], 1)
+    next_ids = with_backup.gather(1, count.view(-1, 1)).view(-1)
+    return next_ids.long(), count.to(torch.int32)
 
 
 def prepare_inputs_padded(query_start_loc: torch.Tensor, num_draft_tokens: torch.Tensor,
@@ -98,10 +98,11 @@ def prepare_inputs_padded(query_start_loc: torch.Tensor, num_draft_tokens: torch
     Example: query_start_loc [0, 3, 4, 8], num_draft [2, 0, 3], valid [1, 1, 4]
     -> rejected [2, 0, 0], indices [0, 3, 7].
     """
+    # valid_count is in [1, d + 1] for a request that verified d > 0 drafts, and 0 or 1 for
+    # one that verified none, so min(d + 1 - valid_count, d) is the rejected count in both.
     drafts = num_draft_tokens.long()
-    rejected = torch.where(drafts > 0, drafts + 1 - valid_sampled_count.long(),
-                           torch.zeros_like(drafts))
-    indices = query_start_loc[1:].long() - 1 - rejected
+    rejected = torch.minimum(drafts + 1 - valid_sampled_count, drafts)
+    indices = query_start_loc[1:] - 1 - rejected
     return indices, rejected
 
 
@@ -138,7 +139,7 @@ def draft_step_schedule(positions: torch.Tensor, seq_lens: torch.Tensor,
     ``num_steps`` times (positions only grow, so a row that exceeds stays exceeded).
 
     positions [B] int64 (or [3, B] M-RoPE, row 0 drives clamping and slots), seq_lens [B],
-    block_table [B, max_blocks_per_seq]
+    block_table [B, max_blocks_per_seq] covering max_model_len
     -> (clamped_positions [B, num_steps] (or [3, B, num_steps]), slot_mapping [B, num_steps]
     int64, seq_lens [B, num_steps] int32); column i is draft step i + 1.
 
@@ -146,15 +147,15 @@ def draft_step_schedule(positions: torch.Tensor, seq_lens: torch.Tensor,
     positions [4, 8], seq_lens [5, 9], num_steps 2
     -> clamped [[5, 6], [9, 0]], slots [[29, 30], [25, -1]], seq_lens [[6, 7], [10, 1]].
     """
-    steps = torch.arange(1, num_steps + 1, device=positions.device)
-    new_positions = positions.unsqueeze(-1) + steps  # [B, S] or [3, B, S]
+    steps = torch.arange(1, num_steps + 1, dtype=torch.int32, device=positions.device)
+    new_positions = positions.unsqueeze(-1) + steps  # [B, S] or [3, B, S], int64
     first_row = new_positions if positions.dim() == 1 else new_positions[0]
     exceeds = first_row >= max_model_len  # [B, S]
     clamped = new_positions.masked_fill(exceeds, 0)
     clamped_row = clamped if positions.dim() == 1 else clamped[0]
-    block_col = (clamped_row // block_size).clamp(max=block_table.shape[1] - 1)
-    block_ids = block_table.gather(1, block_col)  # [B, S]
+    # clamped < max_model_len, so the column is inside any table covering max_model_len.
+    block_ids = block_table.gather(1, clamped_row // block_size)  # [B, S]
     slots = (block_ids * block_size + clamped_row % block_size).masked_fill(exceeds,
                                                                               PADDING_SLOT_ID)
-    new_seq_lens = (seq_lens.unsqueeze(-1) + steps).masked_fill(exceeds, 1).to(torch.int32)
+    new_seq_lens = (seq_lens.to(torch.int32).unsqueeze(-1) + steps).masked_fill(exceeds, 1)
     return clamped, slots, new_seq_lens

@@ -83,6 +83,9 @@ def read_prompts_file(path: str) -> list[str]:
             lines = [line.rstrip("\n") for line in f]
     except OSError as exc:
         raise RocdraftError(f"cannot read prompts file {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise RocdraftError(f"prompts file {path!r} is not UTF-8 text ({exc.reason} at byte "
+                            f"{exc.start})") from None
     lines = [line for line in lines if line.strip()]
     if not lines:
         raise RocdraftError(f"prompts file {path!r} is empty")

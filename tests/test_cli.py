@@ -1,0 +1,448 @@
+"""``rocdraft`` CLI: ``generate`` (JSON shape, greedy tokens equal transformers', prompt
+sources, speculative methods lossless, per-request failures), ``backends``, and user errors
+(one ``rocdraft: error:`` line on stderr, exit code 2, no traceback). Most calls run
+``rocdraft.cli.main`` in-process; two go through ``python -m rocdraft.cli`` and the
+``rocdraft`` console script to prove the entry points."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints import write_eagle1_head, write_eagle3_head, write_tiny_llama
+from rocdraft.backends import registry
+from rocdraft.cli import main
+from rocdraft.platform import detect_platform
+
+OUTPUT_KEYS = {"prompt_token_ids", "token_ids", "text", "finish_reason"}
+STATS_KEYS = {"method", "attention_backend", "device", "dtype", "generated_tokens", "elapsed_s",
+              "tokens_per_s", "num_speculative_tokens", "draft_attention_backend",
+              "acceptance_length", "per_position_acceptance", "num_verify_steps"}
+PROMPT_A = "1,5,6,7"
+PROMPT_B = "1,30,31,32,33,34,35,36"
+MAX_POSITIONS = 256  # TINY max_position_embeddings
+ON_CPU = detect_platform().kind == "cpu"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> dict[str, Path]:
+    """Checkpoints and prompt files, written once for the module."""
+    root = tmp_path_factory.mktemp("cli")
+    target = write_tiny_llama(root / "llama", kind="llama")
+    deep = write_tiny_llama(root / "deep", kind="deep")
+    paths = {"target": target, "deep": deep,
+             "eagle1": write_eagle1_head(root / "eagle1", target),
+             "eagle3": write_eagle3_head(root / "eagle3", deep)}
+    notok = root / "notok"
+    notok.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(target / name, notok / name)
+    paths["notok"] = notok
+    gpt = root / "gpt2"
+    gpt.mkdir()
+    config = json.loads((target / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (gpt / "config.json").write_text(json.dumps(config))
+    paths["gpt2"] = gpt
+    paths["noconfig"] = root / "noconfig"
+    paths["noconfig"].mkdir()
+    paths["missing"] = root / "does-not-exist"
+    files = {"plain.txt": "hello world\n\n  \nthe quick brown fox\n",
+             "prompts.jsonl": json.dumps("hello\nworld") + "\n\n" + json.dumps("the fox") + "\n",
+             "empty.txt": "\n   \n",
+             "not-a-string.jsonl": json.dumps({"prompt": "x"}) + "\n",
+             "not-json.jsonl": "hello world\n"}
+    for name, text in files.items():
+        (root / name).write_text(text)
+        paths[name] = root / name
+    (root / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    paths["latin1.txt"] = root / "latin1.txt"
+    return paths
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ckpt):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(ckpt["target"] / "tokenizer.json"))
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def generate_json(capsys, *argv) -> dict:
+    rc, out, err = run_cli(capsys, "generate", *argv, "--json")
+    assert rc == 0, err
+    result = json.loads(out)
+    assert set(result) == {"outputs", "stats"}
+    assert set(result["stats"]) == STATS_KEYS
+    for output in result["outputs"]:
+        keys = OUTPUT_KEYS | ({"error"} if output["finish_reason"] == "error" else set())
+        assert set(output) == keys
+    return result
+
+
+def ids(text: str) -> list[int]:
+    return [int(t) for t in text.split(",")]
+
+
+def assert_user_error(rc: int, out: str, err: str, *fragments: str) -> str:
+    assert rc == 2, (out, err)
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.strip("\n").split("\n")
+    assert len(lines) == 1, err
+    assert lines[0].startswith("rocdraft: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+# --- generate ------------------------------------------------------------------------------
+
+def test_greedy_json_matches_transformers(capsys, ckpt, tokenizer):
+    """Two --prompt-ids prompts in one batch; each equals transformers' greedy generate."""
+    from transformers import AutoModelForCausalLM
+
+    result = generate_json(capsys, "--target", ckpt["target"], "--prompt-ids", PROMPT_A,
+                           "--prompt-ids", PROMPT_B, "--max-new-tokens", 12, "--device", "cpu")
+    outputs, stats = result["outputs"], result["stats"]
+    assert [o["prompt_token_ids"] for o in outputs] == [ids(PROMPT_A), ids(PROMPT_B)]
+    model = AutoModelForCausalLM.from_pretrained(ckpt["target"], dtype=torch.float32).eval()
+    for output in outputs:
+        prompt = torch.tensor([output["prompt_token_ids"]])
+        with torch.no_grad():
+            expected = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                      do_sample=False, max_new_tokens=12, pad_token_id=0)
+        expected = expected[0, prompt.shape[1]:].tolist()
+        assert output["token_ids"] == expected
+        stopped = expected[-1] == 2
+        assert output["finish_reason"] == ("stop" if stopped else "length")
+        assert output["text"] == tokenizer.decode(output["token_ids"])
+    assert stats["method"] == "none" and stats["num_speculative_tokens"] == 0
+    assert stats["draft_attention_backend"] is None
+    assert stats["attention_backend"] in registry.registered_names()
+    assert stats["device"] == "cpu" and stats["dtype"] == "float32"
+    assert stats["generated_tokens"] == sum(len(o["token_ids"]) for o in outputs)
+    assert stats["elapsed_s"] > 0 and stats["tokens_per_s"] > 0
+    assert stats["acceptance_length"] == 0.0
+    assert stats["per_position_acceptance"] == [] and stats["num_verify_steps"] == 0
+
+
+def test_every_matrix_backend_gives_the_same_tokens(capsys, ckpt, attention_backend):
+    args = ("--target", ckpt["target"], "--prompt-ids", PROMPT_A, "--prompt-ids", PROMPT_B,
+            "--max-new-tokens", 6)
+    reference = generate_json(capsys, *args, "--attention-backend", "TORCH_SDPA")
+    assert reference["stats"]["attention_backend"] == "TORCH_SDPA"
+    result = generate_json(capsys, *args, "--attention-backend", attention_backend)
+    assert result["stats"]["attention_backend"] == attention_backend
+    assert [o["token_ids"] for o in result["outputs"]] == \
+        [o["token_ids"] for o in reference["outputs"]]
+
+
+def test_text_prompts_file_and_ids_in_order(capsys, ckpt, tokenizer):
+    result = generate_json(capsys, "--target", ckpt["target"], "a quick fox",
+                           "--prompts-file", ckpt["plain.txt"], "--prompt-ids", PROMPT_A,
+                           "--max-new-tokens", 3)
+    prompts = [o["prompt_token_ids"] for o in result["outputs"]]
+    assert prompts == [tokenizer.encode("a quick fox").ids, tokenizer.encode("hello world").ids,
+                       tokenizer.encode("the quick brown fox").ids, ids(PROMPT_A)]
+    assert prompts[0][0] == 1  # the tokenizer prepends <s>
+    for output in result["outputs"]:
+        assert output["text"] == tokenizer.decode(output["token_ids"])
+        assert 1 <= len(output["token_ids"]) <= 3
+
+
+def test_jsonl_prompts_file_keeps_newlines(capsys, ckpt, tokenizer):
+    result = generate_json(capsys, "--target", ckpt["target"], "--prompts-file",
+                           ckpt["prompts.jsonl"], "--max-new-tokens", 3)
+    prompts = [o["prompt_token_ids"] for o in result["outputs"]]
+    assert prompts == [tokenizer.encode("hello\nworld").ids, tokenizer.encode("the fox").ids]
+    assert len(prompts[0]) == 3  # <s> hello world: the newline only separates words
+
+
+def test_human_readable_output(capsys, ckpt):
+    rc, out, err = run_cli(capsys, "generate", "--target", ckpt["target"], "hello world",
+                           "--prompt-ids", PROMPT_A, "--max-new-tokens", 3)
+    assert rc == 0, err
+    assert "--- completion 0 (" in out and "--- completion 1 (" in out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("[none, ") and " tokens in " in summary and "tok/s" in summary
+    assert "acceptance" not in summary
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_speculative_methods_are_lossless(capsys, ckpt, method):
+    target = ckpt["target"] if method == "eagle" else ckpt["deep"]
+    draft = ckpt["eagle1"] if method == "eagle" else ckpt["eagle3"]
+    args = ("--target", target, "--prompt-ids", PROMPT_A, "--prompt-ids", PROMPT_B,
+            "--max-new-tokens", 10, "--attention-backend", "TORCH_SDPA")
+    plain = generate_json(capsys, *args, "--method", "none")
+    spec = generate_json(capsys, *args, "--method", method, "--draft", draft,
+                         "--num-speculative-tokens", 3)
+    assert [o["token_ids"] for o in spec["outputs"]] == [o["token_ids"] for o in plain["outputs"]]
+    assert [o["finish_reason"] for o in spec["outputs"]] == \
+        [o["finish_reason"] for o in plain["outputs"]]
+    stats = spec["stats"]
+    assert stats["method"] == method and stats["num_speculative_tokens"] == 3
+    assert stats["attention_backend"] == "TORCH_SDPA"
+    assert stats["draft_attention_backend"] == "TORCH_SDPA"
+    per_position = stats["per_position_acceptance"]
+    assert len(per_position) == 3 and all(0.0 <= a <= 1.0 for a in per_position)
+    verify, length = stats["num_verify_steps"], stats["acceptance_length"]
+    assert verify > 0 and 1.0 <= length <= 4.0
+    # No draft was capped (short outputs), so every verification proposed all 3 drafts.
+    assert length == pytest.approx(1 + sum(per_position), abs=1e-3)
+    # Each request samples one token at prefill, then >= 1 and <= accepted + 1 per verify.
+    generated = stats["generated_tokens"]
+    assert generated == sum(len(o["token_ids"]) for o in spec["outputs"])
+    assert 2 + verify <= generated <= 2 + round(verify * length) + 1
+
+
+def test_method_defaults_to_eagle3_with_a_draft(capsys, ckpt):
+    result = generate_json(capsys, "--target", ckpt["deep"], "--draft", ckpt["eagle3"],
+                           "--prompt-ids", PROMPT_A, "--max-new-tokens", 3)
+    assert result["stats"]["method"] == "eagle3"
+
+
+def test_bad_requests_fail_alone(capsys, ckpt):
+    too_long = ",".join(["5"] * MAX_POSITIONS)
+    longest = ",".join(["5"] * (MAX_POSITIONS - 1))
+    alone = generate_json(capsys, "--target", ckpt["target"], "--prompt-ids", PROMPT_A,
+                          "--max-new-tokens", 5)["outputs"][0]
+    result = generate_json(capsys, "--target", ckpt["target"], "--prompt-ids", too_long,
+                           "--prompt-ids", "", "--prompt-ids=1,500", "--prompt-ids=-3,4",
+                           "--prompt-ids", PROMPT_A, "--prompt-ids", longest,
+                           "--max-new-tokens", 5)
+    long_out, empty, oov, negative, good, edge = result["outputs"]
+    for failed, fragment in ((long_out, "max_model_len"), (empty, "empty prompt"),
+                             (oov, "outside the vocabulary"),
+                             (negative, "outside the vocabulary")):
+        assert failed["finish_reason"] == "error"
+        assert fragment in failed["error"]
+        assert failed["token_ids"] == [] and failed["text"] is None
+    assert "500" in oov["error"] and "-3" in negative["error"]
+    assert good["token_ids"] == alone["token_ids"]
+    assert good["finish_reason"] == alone["finish_reason"]
+    # A prompt one token short of max_model_len still generates exactly one token.
+    assert len(edge["token_ids"]) == 1 and edge["finish_reason"] in ("length", "stop")
+    assert result["stats"]["generated_tokens"] == len(good["token_ids"]) + 1
+
+
+def test_bad_request_in_text_output(capsys, ckpt):
+    rc, out, err = run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                           "1,999", "--prompt-ids", PROMPT_A, "--max-new-tokens", 2)
+    assert rc == 0, err
+    assert "--- completion 0 (error) ---\n[error] token ids [999] outside the vocabulary" in out
+    assert "--- completion 1 (" in out
+
+
+def test_target_without_tokenizer(capsys, ckpt):
+    result = generate_json(capsys, "--target", ckpt["notok"], "hello world", "--prompt-ids",
+                           PROMPT_A, "--max-new-tokens", 3)
+    text_prompt, id_prompt = result["outputs"]
+    assert text_prompt["finish_reason"] == "error"
+    assert "tokenizer" in text_prompt["error"]
+    assert id_prompt["text"] is None and len(id_prompt["token_ids"]) >= 1
+    rc, out, _ = run_cli(capsys, "generate", "--target", ckpt["notok"], "--prompt-ids",
+                         PROMPT_A, "--max-new-tokens", 3)
+    assert rc == 0
+    assert " ".join(map(str, id_prompt["token_ids"])) in out
+
+
+# --- user errors ---------------------------------------------------------------------------
+
+def test_missing_directory(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["missing"], "--prompt-ids",
+                               PROMPT_A), str(ckpt["missing"]), "does not exist")
+
+
+def test_directory_without_config(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["noconfig"],
+                               "--prompt-ids", PROMPT_A), "config.json")
+
+
+def test_unsupported_architecture(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["gpt2"], "--prompt-ids",
+                               PROMPT_A), "GPT2LMHeadModel", "LlamaForCausalLM")
+
+
+def test_unknown_backend_lists_registered(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, "--attention-backend", "NO_SUCH"),
+                      "NO_SUCH", *registry.registered_names())
+
+
+def test_unknown_backend_from_env(capsys, ckpt, monkeypatch):
+    monkeypatch.setenv("ROCDRAFT_ATTENTION_BACKEND", "NO_SUCH")
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A), "NO_SUCH", *registry.registered_names())
+
+
+def test_unknown_draft_backend(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, "--method", "eagle", "--draft", ckpt["eagle1"],
+                               "--draft-attention-backend", "NO_SUCH"), "NO_SUCH")
+
+
+@pytest.mark.skipif(not ON_CPU, reason="CPU-only expectation")
+def test_aiter_on_cpu_says_why(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, "--attention-backend", "ROCM_AITER_FA"),
+                      "ROCM_AITER_FA", "platform cpu")
+
+
+@pytest.mark.skipif(not ON_CPU, reason="CPU-only expectation")
+def test_cuda_device_without_gpu(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, "--device", "cuda"), "cuda", "no GPU")
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (("--temperature", "-0.5"), "temperature"),
+    (("--temperature", "nan"), "temperature"),
+    (("--top-p", "0"), "top_p"),
+    (("--top-p", "1.5"), "top_p"),
+    (("--top-k", "-5"), "top_k"),
+    (("--max-new-tokens", "0"), "max_tokens"),
+])
+def test_bad_sampling_params(capsys, ckpt, flags, fragment):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, *flags), fragment)
+
+
+def test_speculative_method_without_draft(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, "--method", "eagle3"), "--method eagle3", "--draft")
+
+
+def test_bad_num_speculative_tokens(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, "--method", "eagle", "--draft", ckpt["eagle1"],
+                               "--num-speculative-tokens", "0"), "num_speculative_tokens")
+
+
+@pytest.mark.parametrize("method, head, fragment", [
+    ("eagle3", "eagle1", "use method 'eagle'"),
+    ("eagle", "eagle3", "use method 'eagle3'"),
+])
+def test_head_of_the_wrong_format(capsys, ckpt, method, head, fragment):
+    line = assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["deep"],
+                                      "--prompt-ids", PROMPT_A, "--method", method, "--draft",
+                                      ckpt[head]), fragment)
+    assert str(ckpt[head]) in line
+
+
+def test_draft_that_is_not_a_head(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, "--method", "eagle", "--draft", ckpt["target"]),
+                      "draft head format")
+
+
+def test_missing_draft_directory(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, "--method", "eagle", "--draft", ckpt["missing"]),
+                      str(ckpt["missing"]))
+
+
+@pytest.mark.parametrize("name, fragments", [
+    ("empty.txt", ("empty",)),
+    ("does-not-exist", ("cannot read prompts file", "does-not-exist")),
+    (".", ("cannot read prompts file",)),  # a directory
+    ("latin1.txt", ("latin1.txt", "UTF-8")),
+    ("not-a-string.jsonl", ("not-a-string.jsonl:1", "JSON string")),
+    ("not-json.jsonl", ("not-json.jsonl:1", "not JSON")),
+])
+def test_bad_prompts_file(capsys, ckpt, name, fragments):
+    path = ckpt["target"].parent / name
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"],
+                               "--prompts-file", path), *fragments)
+
+
+@pytest.mark.parametrize("value", ["1,x", "1.5", "a b"])
+def test_bad_prompt_ids(capsys, ckpt, value):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"],
+                               "--prompt-ids", value), "--prompt-ids", repr(value))
+
+
+def test_no_prompt(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"]), "no prompt")
+
+
+# --- backends ------------------------------------------------------------------------------
+
+def test_backends_text(capsys, monkeypatch):
+    monkeypatch.delenv("ROCDRAFT_ATTENTION_BACKEND", raising=False)
+    rc, out, err = run_cli(capsys, "backends")
+    assert rc == 0, err
+    for name in registry.registered_names():
+        assert f"\n{name}  [" in out
+    assert "selected now: " in out
+
+
+def test_backends_json(capsys, monkeypatch):
+    monkeypatch.delenv("ROCDRAFT_ATTENTION_BACKEND", raising=False)
+    rc, out, err = run_cli(capsys, "backends", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert [b["name"] for b in report["backends"]] == registry.registered_names()
+    for row in report["backends"]:
+        assert isinstance(row["available"], bool)
+        assert row["capabilities"]["multi_token_drafting"] in (True, False)
+        if not row["available"]:
+            assert row["unavailable_reason"]
+    assert report["selected"]["name"] in registry.registered_names()
+    assert report["selected"]["reason"]
+    if ON_CPU:
+        assert report["selected"]["name"] == "TORCH_SDPA"
+        assert "priority" in report["selected"]["reason"]
+
+
+def test_backends_json_with_env(capsys, monkeypatch):
+    monkeypatch.setenv("ROCDRAFT_ATTENTION_BACKEND", "TORCH_SDPA")
+    rc, out, _ = run_cli(capsys, "backends", "--json")
+    assert rc == 0
+    selected = json.loads(out)["selected"]
+    assert selected["name"] == "TORCH_SDPA"
+    assert "ROCDRAFT_ATTENTION_BACKEND" in selected["reason"]
+    rc, out, _ = run_cli(capsys, "backends")
+    assert "selected now: TORCH_SDPA (ROCDRAFT_ATTENTION_BACKEND=TORCH_SDPA)" in out
+
+
+# --- entry points --------------------------------------------------------------------------
+
+def _console_script() -> str:
+    beside = Path(sys.executable).with_name("rocdraft")
+    found = str(beside) if beside.is_file() else shutil.which("rocdraft")
+    assert found, "the rocdraft console script is not installed (pip install -e .)"
+    return found
+
+
+def test_entry_points(capsys, ckpt):
+    """``python -m rocdraft.cli`` and the ``rocdraft`` console script, in real processes
+    (started together to save wall time)."""
+    module = subprocess.Popen(
+        [sys.executable, "-m", "rocdraft.cli", "generate", "--target", str(ckpt["target"]),
+         "--prompt-ids", PROMPT_A, "--max-new-tokens", "4", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    script = subprocess.Popen(
+        [_console_script(), "generate", "--target", str(ckpt["missing"]), "--prompt-ids",
+         PROMPT_A], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    module_out, module_err = module.communicate(timeout=120)
+    script_out, script_err = script.communicate(timeout=120)
+    assert module.returncode == 0, module_err
+    in_process = generate_json(capsys, "--target", ckpt["target"], "--prompt-ids", PROMPT_A,
+                               "--max-new-tokens", 4)
+    result = json.loads(module_out)
+    assert set(result["stats"]) == STATS_KEYS
+    assert result["outputs"][0]["token_ids"] == in_process["outputs"][0]["token_ids"]
+    assert_user_error(script.returncode, script_out, script_err, "does not exist")
