@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -32,8 +33,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="never capture the draft loop in a CUDA/HIP graph")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors in the CLI's one-line format (subparsers inherit it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"rocdraft: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rocdraft", description=__doc__)
+    parser = _Parser(prog="rocdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT")
@@ -71,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(args)
     except (RocdraftError, ValueError, FileNotFoundError, NotADirectoryError,
             PermissionError, UnicodeDecodeError) as exc:
-        print(f"rocdraft: error: {exc}", file=sys.stderr)
+        # One line, even when a library's message spans several.
+        message = re.sub(r"\s*\n\s*", " ", str(exc).strip())
+        print(f"rocdraft: error: {message}", file=sys.stderr)
         return 2
 
 
