@@ -38,7 +38,7 @@ setup(
     packages=_packages(),
     package_dir=_package_dir(),
     package_data={
-        "rocdraft.hip_kernels": ["*.hip", "*.h", "csrc/*"],
+        "rocdraft.hip_kernels": ["*.md", "csrc/*", "csrc/*/*"],
         "rocdraft.models": ["builtin/*/*"],
     },
     include_package_data=True,

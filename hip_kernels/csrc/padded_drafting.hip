@@ -3,12 +3,15 @@
 //
 //   valid_sampled_count[i]     = discard[i] ? 0 : #{j : 0 <= sampled[i, j] < vocab_size}
 //   next_token_ids[i]          = count > 0 ? sampled[i, count - 1] : backup_next_token_ids[i]
-//   num_rejected[i]            = num_draft_tokens[i] > 0 ? num_draft_tokens[i] + 1 - count : 0
+//   num_rejected[i]            = min(num_draft_tokens[i] + 1 - count, num_draft_tokens[i])
 //   token_indices_to_sample[i] = query_start_loc[i + 1] - 1 - num_rejected[i]
+// (count is in [1, d + 1] for a request that verified d > 0 drafts and 0 or 1 for one that
+// verified none, so the min is the rejected count in both cases; a discarded request, count 0,
+// gets d.)
 //
 // Example: sampled [[5, 7, -1], [-1, -1, -1], [4, 2, 9]], discard [F, F, T], backup [1, 2, 3],
 // query_start_loc [0, 3, 4, 8], num_draft_tokens [2, 0, 3]
-// -> next [7, 2, 3], count [2, 0, 0], rejected [1, 0, 4], indices [1, 3, 3].
+// -> next [7, 2, 3], count [2, 0, 0], rejected [1, 0, 3], indices [1, 3, 4].
 #include "platform.h"
 #include "launchers.h"
 
@@ -31,7 +34,8 @@ __global__ void __launch_bounds__(kThreads) prepare_padded_drafting_kernel(Padde
   p.next_token_ids[i] = count > 0 ? row[count - 1] : p.backup_next_token_ids[i];
   p.valid_sampled_count[i] = count;
   const int64_t drafts = p.num_draft_tokens[i];
-  const int64_t rejected = drafts > 0 ? drafts + 1 - count : 0;
+  const int64_t rejected_if_verified = drafts + 1 - count;
+  const int64_t rejected = rejected_if_verified < drafts ? rejected_if_verified : drafts;
   p.num_rejected[i] = rejected;
   p.token_indices_to_sample[i] = (int64_t)p.query_start_loc[i + 1] - 1 - rejected;
 }
