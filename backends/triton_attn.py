@@ -20,6 +20,7 @@ import torch
 from rocdraft.backends.base import (AttentionBackend, AttentionImpl, BackendCapabilities,
                                     GraphCapture, MetadataBuilder)
 from rocdraft.backends.kv_cache import FP8_DTYPES, NHD, LayerKVCache
+from rocdraft.backends.kv_write import write_kv
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.registry import register_backend
 
@@ -56,7 +57,6 @@ class TritonAttnImpl(AttentionImpl):
                 kv_cache: LayerKVCache, metadata: TritonAttnMetadata) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads,
         head_dim] -> [num_tokens, num_heads, head_dim] in the query dtype."""
-        from rocdraft.backends.triton_kernels.kv_write import write_kv_triton
         from rocdraft.backends.triton_kernels.unified_attention import unified_attention
 
         if kv_cache.layout != NHD:
@@ -65,7 +65,7 @@ class TritonAttnImpl(AttentionImpl):
             raise ValueError(f"query shape {list(query.shape)} does not match num_heads "
                              f"{self.num_heads}, head_dim {self.head_dim}")
         common = metadata.common
-        write_kv_triton(key, value, kv_cache, common.slot_mapping)
+        write_kv(key, value, kv_cache, common.slot_mapping)  # HIP when built, else Triton
         return unified_attention(query, kv_cache, common, self.scale)
 
 

@@ -62,6 +62,25 @@ class EagleProposer:
         return index_math.prepare_next_token_ids_padded(sampled, discard_request,
                                                         backup_next_token_ids, self.vocab_size)
 
+    def prepare_padded(self, sampled: torch.Tensor, discard_request: torch.Tensor,
+                       backup_next_token_ids: torch.Tensor, common: CommonAttentionMetadata,
+                       num_draft_tokens: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Both padded preparations -> (next_token_ids, valid_sampled_count,
+        token_indices_to_sample, num_rejected): one fused HIP kernel on a GPU where the
+        extension is built, else the two index_math functions."""
+        if sampled.is_cuda:
+            from rocdraft.hip_kernels.dispatch import hip_available, prepare_padded_drafting_hip
+
+            if hip_available():
+                return prepare_padded_drafting_hip(
+                    sampled, discard_request, backup_next_token_ids, self.vocab_size,
+                    common.query_start_loc, num_draft_tokens.to(torch.int32))
+        next_ids, valid = self.prepare_next_token_ids_padded(sampled, discard_request,
+                                                             backup_next_token_ids)
+        indices, rejected = self.prepare_inputs_padded(common, num_draft_tokens, valid)
+        return next_ids, valid, indices, rejected
+
     @staticmethod
     def prepare_next_token_ids_cpu(sampled_cpu: list[list[int]], discard_request: list[bool],
                                    backup_next_token_ids: list[int]) -> list[int]:

@@ -243,7 +243,8 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     """config.json of the checkpoint directory ``path`` (CheckpointError when absent)."""
     directory = Path(path)
     if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} "
+                              f"{'is not a directory' if directory.exists() else 'does not exist'}")
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"no config.json in checkpoint directory {str(directory)!r}")

@@ -53,7 +53,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     """The tokenizer of checkpoint directory ``path``, or None when it has no tokenizer.json."""
     directory = Path(path)
     if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} "
+                              f"{'is not a directory' if directory.exists() else 'does not exist'}")
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():
         return None

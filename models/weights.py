@@ -27,7 +27,8 @@ def weight_files(path: str | Path) -> list[Path]:
     """The weight files of checkpoint directory ``path`` (see the module docstring)."""
     directory = Path(path)
     if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} "
+                              f"{'is not a directory' if directory.exists() else 'does not exist'}")
     if (directory / "model.safetensors.index.json").is_file():
         return _shards(directory, directory / "model.safetensors.index.json")
     if (directory / "model.safetensors").is_file():
@@ -60,7 +61,10 @@ def load_state_dict(path: str | Path) -> StateDict:
     state: StateDict = {}
     for file in weight_files(path):
         if file.suffix == ".safetensors":
-            state.update(load_file(str(file), device="cpu"))
+            try:
+                state.update(load_file(str(file), device="cpu"))
+            except Exception as e:  # truncated or corrupt file (SafetensorError, OSError)
+                raise CheckpointError(f"cannot read {file}: {e}") from None
             continue
         try:
             loaded = torch.load(file, map_location="cpu", weights_only=True)

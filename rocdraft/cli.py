@@ -25,7 +25,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="speculative method (default: eagle3 with the built-in pair, "
                         "none with --target and no --draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="default: float32 on the CPU, bfloat16 on a GPU")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="KV-cache block size (FLASH_ATTN needs a multiple of 256)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--draft-attention-backend", default=None)
@@ -137,17 +140,33 @@ def make_llm(args):
         method = method or "eagle3"
         if method != "none" and draft is None:
             draft = pair.eagle3 if method == "eagle3" else pair.eagle1
-    method = method or ("eagle3" if draft else "none")
+    if method is None and draft:
+        method = _head_method(draft)
+    method = method or "none"
+    if method == "none" and draft and args.target is not None:
+        raise RocdraftError("--draft was given with --method none; drop one of them")
     if method != "none" and not draft:
         raise RocdraftError(f"--method {method} needs --draft DIR (an EAGLE head directory)")
     spec = None
     if method != "none":
         spec = SpeculativeConfig(method=method, num_speculative_tokens=args.num_speculative_tokens,
                                  enforce_eager=args.enforce_eager)
+    import torch
+
+    on_gpu = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
+    args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     llm = LLM(target, draft=draft if spec else None, speculative_config=spec, dtype=args.dtype,
               device=args.device, attention_backend=args.attention_backend,
-              draft_attention_backend=args.draft_attention_backend)
+              draft_attention_backend=args.draft_attention_backend, block_size=args.block_size)
     return llm, method
+
+
+def _head_method(draft: str) -> str:
+    """The speculative method of a head directory, from its weight keys."""
+    from rocdraft.models.draft_loader import EAGLE3, detect_format
+    from rocdraft.models.weights import load_state_dict
+
+    return "eagle3" if detect_format(load_state_dict(draft).keys()) == EAGLE3 else "eagle"
 
 
 def _generate(args) -> int:
@@ -160,9 +179,11 @@ def _generate(args) -> int:
     prompts += [_parse_ids(text) for text in args.prompt_ids]
     if not prompts:
         raise RocdraftError("no prompt given (PROMPT, --prompts-file or --prompt-ids)")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_new_tokens, seed=args.seed,
-                            ignore_eos=args.ignore_eos)
+    # --seed S gives prompt i the seed S + i: reproducible, yet not the same stream for all.
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                             max_tokens=args.max_new_tokens,
+                             seed=None if args.seed is None else args.seed + i,
+                             ignore_eos=args.ignore_eos) for i in range(len(prompts))]
     llm, method = make_llm(args)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)

@@ -213,10 +213,9 @@ class LLM:
         proposer, spec = self.proposer, self.config.speculative
         discard = torch.tensor([not s for s in batch.samples], device=self.device)
         if spec.padded_drafting:
-            next_ids, valid = proposer.prepare_next_token_ids_padded(
-                sampled, discard, batch.backup_next_token_ids)
-            indices, rejected = proposer.prepare_inputs_padded(
-                batch.common, batch.num_draft_tokens, valid)
+            next_ids, _, indices, rejected = proposer.prepare_padded(
+                sampled, discard, batch.backup_next_token_ids, batch.common,
+                batch.num_draft_tokens)
             return proposer.propose(batch.input_ids, batch.positions, hidden, next_ids, indices,
                                     batch.common, self.draft_kv_caches, num_rejected=rejected)
         sampled_cpu = sampled.tolist()

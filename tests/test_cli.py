@@ -431,8 +431,6 @@ def test_multi_line_library_message_becomes_one_line(capsys, ckpt, tmp_path):
                       "pytorch_model.bin")
 
 
-@pytest.mark.xfail(strict=True, reason="models/weights.py lets safetensors' SafetensorError "
-                                       "escape (traceback, exit 1) instead of a CheckpointError")
 def test_corrupt_safetensors_is_a_user_error(capsys, ckpt, tmp_path):
     target = tmp_path / "corrupt-target"
     shutil.copytree(ckpt["target"], target)
@@ -524,3 +522,28 @@ def test_entry_points(capsys, ckpt, entry_point_processes):
     assert set(result["stats"]) == STATS_KEYS
     assert result["outputs"][0]["token_ids"] == in_process["outputs"][0]["token_ids"]
     assert_user_error(script.returncode, script_out, script_err, "does not exist")
+
+
+# --- method inference and seeds -------------------------------------------------------------
+
+@pytest.mark.parametrize("target, head, method", [("target", "eagle1", "eagle"),
+                                                  ("deep", "eagle3", "eagle3")])
+def test_method_is_read_from_the_head_when_not_given(capsys, ckpt, target, head, method):
+    result = generate_json(capsys, "--target", ckpt[target], "--draft", ckpt[head],
+                           "--prompt-ids", PROMPT_A, "--max-new-tokens", "4")
+    assert result["stats"]["method"] == method
+
+
+def test_draft_with_method_none_is_an_error(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--draft",
+                               ckpt["eagle3"], "--method", "none", "--prompt-ids", PROMPT_A),
+                      "--method none")
+
+
+def test_seed_gives_each_prompt_its_own_stream(capsys, ckpt):
+    args = ("--target", ckpt["target"], "--prompt-ids", PROMPT_A, "--prompt-ids", PROMPT_A,
+            "--temperature", "1.0", "--seed", "3", "--max-new-tokens", "12", "--ignore-eos")
+    first = [o["token_ids"] for o in generate_json(capsys, *args)["outputs"]]
+    again = [o["token_ids"] for o in generate_json(capsys, *args)["outputs"]]
+    assert first == again  # reproducible
+    assert first[0] != first[1]  # the same prompt twice does not repeat one stream
