@@ -149,6 +149,14 @@ def write_kv_reference(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCac
     blocks, offsets = target // cache.block_size, target % cache.block_size
     for new, store, scale in ((key, cache.key, cache.k_scale), (value, cache.value, cache.v_scale)):
         rows = quantize_for_cache(new[:num_tokens], store.dtype, scale)
+        if cache.layout == NHD and store.is_contiguous() and store.dtype not in FP8_DTYPES:
+            # A slot is one row of the [num_slots, Hk, D] view: copy whole rows.
+            flat = store.view(-1, rows.shape[1], rows.shape[2])
+            current_anchor = flat.index_select(0, anchor_slot)  # [1, Hk, D]
+            anchor_row = torch.where(anchor_valid.view(1, 1, 1), rows.index_select(0, anchor),
+                                     current_anchor)
+            flat.index_copy_(0, target, torch.where(valid.view(-1, 1, 1), rows, anchor_row))
+            continue
         index = _element_index(cache.layout, store, blocks, offsets, rows.shape[1], rows.shape[2],
                                is_value=store is cache.value)
         current = store[index]  # [num_tokens, num_kv_heads, head_dim]

@@ -150,8 +150,6 @@ class LLM:
                      f"{self.max_model_len} (at least one token must be generated)")
         if error:
             req.finish("error", error)
-        elif params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return req
 
     def _tokenize(self, prompt) -> tuple[list[int], str | None]:
@@ -187,9 +185,10 @@ class LLM:
             len(scheduled), batch.max_drafts + 1, -1)
         t2 = time.perf_counter()
         sampling = SamplingTensors.build(
-            [s.request.params for s in scheduled],
-            [s.request.generator if samples else None
-             for s, samples in zip(scheduled, batch.samples)], self.device)
+            [s.request.params for s in scheduled], [None] * len(scheduled), self.device,
+            position_seeds=[(s.request.params.seed, len(s.request.output_token_ids))
+                            if samples and s.request.params.seed is not None else None
+                            for s, samples in zip(scheduled, batch.samples)])
         sampled = rejection_sample(logits, batch.draft_token_ids, batch.num_draft_tokens,
                                    batch.num_draft_tokens_cpu, sampling)
         t3 = time.perf_counter()

@@ -1,13 +1,16 @@
-"""Lossless verification of draft tokens.
+"""Lossless verification of draft tokens (drafts are deterministic: draft probability 1).
 
-Greedy rows accept the longest prefix where draft == target argmax, then emit the target's
-token at the first mismatch (or the bonus token when every draft matched).
+Every verified position j of a row gets the token the target itself would sample there,
+``y_j = argmax(p_j / E_j)`` with fresh Exp(1) noise (the exponential race; the argmax for
+greedy rows). Draft ``x_j`` is accepted iff ``x_j == y_j``, and the first mismatch emits
+``y_j``; when every draft matched, ``y_k`` is the bonus token.
 
-Random rows: the drafts are deterministic (draft probability 1), so draft ``x`` at position j
-is accepted with probability ``p_j(x)`` (= min(1, p/q) with q = 1). On the first rejection
-the token is drawn from ``p_j`` with ``x`` removed and renormalised, i.e. from
-``max(p_j - q_j, 0)``; when all drafts are accepted a bonus token is drawn from ``p_k``.
-The emitted token at every position is then distributed exactly as the target's.
+Why this is lossless and is standard rejection sampling with q = one-hot(x):
+- P(accept x_j) = P(y_j = x_j) = p_j(x_j) = min(1, p_j(x_j) / q_j(x_j));
+- on rejection the emitted ``y_j`` is distributed as p_j conditioned on ``y_j != x_j``, i.e.
+  ``max(p_j - q_j, 0)`` renormalised (p_j with x_j removed);
+- hence every emitted token is exactly ``y_j``: the output is distributed as the target's,
+  and with seeded per-position noise it equals the target-only output token for token.
 
 Output: ``sampled [batch_size, max_drafts + 1]`` int64, -1 after the first rejection.
 Everything stays on the device; no host sync.
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from rocdraft.sampler import SamplingTensors, sample_from_probs, target_probs
+from rocdraft.sampler import (SamplingTensors, position_generator, sample_from_probs,
+                              target_probs)
 
 
 def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -26,61 +30,44 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     the token after the j-th verified token; positions past num_draft_tokens[i] are ignored),
     draft_token_ids [batch_size, max_drafts] (anything where j >= num_draft_tokens[i]),
     num_draft_tokens [batch_size] int64 (and its host copy, which sizes each row's random
-    draws so a seeded request's stream does not depend on its neighbours)
+    draws)
     -> sampled [batch_size, max_drafts + 1]."""
     batch_size, width, vocab = target_logits.shape
     max_drafts = width - 1
     device = target_logits.device
     positions = torch.arange(width, device=device).unsqueeze(0)  # [1, width]
     is_draft = positions[:, :max_drafts] < num_draft_tokens.unsqueeze(1)  # [B, max_drafts]
-    drafts = draft_token_ids.long().clamp(0, vocab - 1)
+    drafts = draft_token_ids.long()
 
     if sampling.all_greedy:
-        target_tokens = target_logits.argmax(dim=-1)  # [B, width]
-        accepted = is_draft & (drafts == target_tokens[:, :max_drafts])
-        emitted = target_tokens
+        emitted = target_logits.argmax(dim=-1)  # [B, width]
     else:
         flat = target_logits.reshape(-1, vocab)
         rep = lambda t: t.repeat_interleave(width)  # noqa: E731  one row per position
         probs = target_probs(flat, rep(sampling.temperature), rep(sampling.top_k),
                              rep(sampling.top_p)).view(batch_size, width, vocab)
-        p_draft = probs[:, :max_drafts].gather(2, drafts.unsqueeze(2)).squeeze(2)
-        uniform, noise = _row_noise(num_draft_tokens_cpu, width, vocab, sampling.generators,
-                                    device)
-        accepted = is_draft & (uniform < p_draft)
-        # Recovered distribution at each draft position: p with the draft token removed.
-        residual = probs.clone()
-        residual[:, :max_drafts].scatter_(2, drafts.unsqueeze(2), 0.0)
-        residual_ok = residual.sum(dim=-1, keepdim=True) > 0
-        residual = torch.where(residual_ok, residual, probs)
-        recovered = sample_from_probs(residual, noise)  # [B, width]
-        bonus = sample_from_probs(probs, noise)  # used only at position num_drafts
-        is_bonus = positions == num_draft_tokens.unsqueeze(1)
-        emitted = torch.where(is_bonus, bonus, recovered)
-        greedy_rows = sampling.temperature == 0
-        target_tokens = target_logits.argmax(dim=-1)
-        greedy_accepted = is_draft & (drafts == target_tokens[:, :max_drafts])
-        accepted = torch.where(greedy_rows.unsqueeze(1), greedy_accepted, accepted)
-        emitted = torch.where(greedy_rows.unsqueeze(1), target_tokens, emitted)
+        noise = _position_noise(num_draft_tokens_cpu, width, vocab, sampling, device)
+        emitted = sample_from_probs(probs, noise)  # greedy rows: one-hot probs -> argmax
+    accepted = is_draft & (drafts == emitted[:, :max_drafts])
 
-    # Number of leading accepted drafts per row.
+    # Accepted drafts equal the emitted tokens, so a row is its emitted tokens up to and
+    # including the first mismatch (or the bonus), then -1.
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
-    out = torch.full((batch_size, width), -1, dtype=torch.long, device=device)
-    draft_part = torch.cat([drafts, drafts.new_zeros(batch_size, 1)], dim=1)
-    take_draft = positions < num_accepted.unsqueeze(1)
-    take_emitted = positions == num_accepted.unsqueeze(1)
-    out = torch.where(take_draft, draft_part, out)
-    out = torch.where(take_emitted, emitted, out)
+    out = torch.where(positions <= num_accepted.unsqueeze(1), emitted, -1)
     return out
 
 
-def _row_noise(num_drafts: list[int], width: int, vocab: int, generators, device):
-    """Per-row uniforms [B, width - 1] and Exp(1) noise [B, width, vocab]; row i draws exactly
-    num_drafts[i] uniforms then (num_drafts[i] + 1) * vocab exponentials from its generator."""
-    uniform = torch.ones(len(num_drafts), width - 1, device=device)
+def _position_noise(num_drafts: list[int], width: int, vocab: int,
+                    sampling: SamplingTensors, device) -> torch.Tensor:
+    """Exp(1) noise [B, width, vocab] for the num_drafts[i] + 1 verified positions of row i:
+    per position from ``position_generator(seed, index + j)`` for seeded rows, else in order
+    from the row's generator (None: the default one)."""
     noise = torch.ones(len(num_drafts), width, vocab, device=device)
-    for i, (n, gen) in enumerate(zip(num_drafts, generators)):
-        if n:
-            uniform[i, :n] = torch.rand(n, device=device, generator=gen)
-        noise[i, :n + 1].exponential_(generator=gen)
-    return uniform, noise
+    seeds = sampling.position_seeds or (None,) * len(num_drafts)
+    for i, (n, gen, seed) in enumerate(zip(num_drafts, sampling.generators, seeds)):
+        if seed is None:
+            noise[i, :n + 1].exponential_(generator=gen)
+            continue
+        for j in range(n + 1):
+            noise[i, j].exponential_(generator=position_generator(seed[0], seed[1] + j, device))
+    return noise

@@ -4,8 +4,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from rocdraft.config import SamplingParams
 
 
@@ -29,7 +27,6 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: str | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

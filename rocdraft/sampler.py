@@ -1,8 +1,9 @@
 """Turning logits into probabilities and tokens, per request, without host syncs.
 
 Sampling uses the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` draws from ``p``
-(gpt-fast's trick), so no ``multinomial`` and no host round trip. Each request draws its
-noise from its own generator when it has a seed, so its stream does not depend on the batch.
+(gpt-fast's trick), so no ``multinomial`` and no host round trip. A seeded request draws the
+noise of output token t from a generator seeded by ``(seed, t)``: its tokens depend neither
+on its batch neighbours nor on how many drafts were verified in each step.
 """
 from __future__ import annotations
 
@@ -18,18 +19,23 @@ class SamplingTensors:
     temperature: torch.Tensor  # [num_rows] float32, 0 = greedy
     top_k: torch.Tensor  # [num_rows] int64, 0 = disabled
     top_p: torch.Tensor  # [num_rows] float32, 1 = disabled
-    generators: tuple[torch.Generator | None, ...]  # [num_rows]
+    generators: tuple[torch.Generator | None, ...]  # [num_rows] sequential streams
     all_greedy: bool
+    # [num_rows] (seed, index of the row's first output token) or None; takes precedence over
+    # the row's generator: position j then draws from a generator seeded by (seed, index + j).
+    position_seeds: tuple[tuple[int, int] | None, ...] | None = None
 
     @staticmethod
-    def build(params: list, generators: list, device) -> "SamplingTensors":
+    def build(params: list, generators: list, device,
+              position_seeds: list | None = None) -> "SamplingTensors":
         return SamplingTensors(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
                                      device=device),
             top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long,
                                device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            generators=tuple(generators), all_greedy=all(p.greedy for p in params))
+            generators=tuple(generators), all_greedy=all(p.greedy for p in params),
+            position_seeds=tuple(position_seeds) if position_seeds is not None else None)
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -60,3 +66,9 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """probs [..., vocab], noise Exp(1) of the same shape -> token ids [...] (exponential race)."""
     return (probs / noise.clamp(min=1e-20)).argmax(dim=-1)
+
+
+def position_generator(seed: int, position: int, device) -> torch.Generator:
+    """The generator of output token ``position`` of a request seeded with ``seed``."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (2 ** 63)
+    return torch.Generator(device=device).manual_seed(mixed)

@@ -136,3 +136,17 @@ def test_speculative_configuration_errors(pair):
         LLM(pair["target"], speculative_config=SpeculativeConfig("eagle3", 2))
     with pytest.raises(RocdraftError, match="EAGLE3 head"):
         LLM(pair["target"], draft=pair["eagle3"], speculative_config=SpeculativeConfig("eagle", 2))
+
+
+def test_seeded_random_speculative_output_equals_seeded_target_only(pair):
+    """Each verified position uses the noise of its output index (seeded per position), so a
+    seeded request samples exactly the tokens target-only sampling draws, however many drafts
+    each step verified and whoever shares the batch."""
+    params = [SamplingParams(temperature=0.9, top_k=50, max_tokens=14, seed=s, ignore_eos=True)
+              for s in (11, 12, 13, 14)]
+    base = [o.token_ids for o in LLM(pair["target"]).generate(PROMPTS, params)]
+    for k, budget in ((2, 2048), (4, 2048), (4, 12)):  # a tight budget trims drafts
+        llm = LLM(pair["target"], draft=pair["eagle3"], max_num_batched_tokens=budget,
+                  speculative_config=SpeculativeConfig("eagle3", k))
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == base
+        assert [o.token_ids for o in llm.generate(PROMPTS[:1], params[:1])] == base[:1]

@@ -109,7 +109,9 @@ def unified_attention_kernel(
         k_pos = tile_start + tl.arange(0, TILE)  # [TILE]
         k_valid = k_pos < kv_end
         block_col = tl.minimum(k_pos // block_size, max_blocks_per_seq - 1)
-        block_ids = tl.load(bt_row + block_col, mask=k_valid, other=0).to(tl.int64)
+        # Unallocated entries (graph padding rows) hold -1: read block 0 instead of memory
+        # before the cache; those rows' outputs are discarded and their slots are -1.
+        block_ids = tl.maximum(tl.load(bt_row + block_col, mask=k_valid, other=0), 0).to(tl.int64)
         k_off = (k_pos % block_size).to(tl.int64)
         kv_mask = k_valid[:, None] & dim_valid[None, :]
         k = tl.load(key_cache_ptr + block_ids[:, None] * kc_stride_block

@@ -1,6 +1,7 @@
-"""Corpus for rocdraft's built-in model pair: the Python standard library source.
+"""Corpus of rocdraft's built-in model pair: the Python standard library source.
 
-Stdlib only (no third-party imports) so that ``rocdraft bench`` can import it.
+Stdlib only (no third-party imports): the training scripts and ``rocdraft bench`` (held-out
+prompts) both import it.
 
 * Every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, excluding any
   directory named ``test`` or ``tests``, ``site-packages`` / ``dist-packages``,
