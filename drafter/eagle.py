@@ -154,7 +154,6 @@ class EagleProposer:
         seq_lens = common.seq_lens
         if num_rejected is not None:  # padded path: seq_len ends at the sampled token
             seq_lens = (seq_lens - num_rejected).to(torch.int32)
-        steps = self.num_speculative_tokens - 1
         runner = self.graph_runner
         if runner is not None and positions.dim() == 1 and runner.accepts(batch_size):
             rest = runner.run(draft_ids, positions, seq_lens, sample_hidden, common.block_table,

@@ -143,7 +143,7 @@ def make_llm(args):
     if method is None and draft:
         method = _head_method(draft)
     method = method or "none"
-    if method == "none" and draft and args.target is not None:
+    if method == "none" and args.draft:
         raise RocdraftError("--draft was given with --method none; drop one of them")
     if method != "none" and not draft:
         raise RocdraftError(f"--method {method} needs --draft DIR (an EAGLE head directory)")
@@ -206,7 +206,7 @@ def _generate(args) -> int:
             {"prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "text": o.text,
              "finish_reason": o.finish_reason, **({"error": o.error} if o.error else {})}
             for o in outputs], "stats": summary}))
-        return 0
+        return _exit_code(outputs)
     for i, out in enumerate(outputs):
         body = out.text if out.text is not None else " ".join(map(str, out.token_ids))
         if out.error:
@@ -220,7 +220,12 @@ def _generate(args) -> int:
     print(f"[{method}, {summary['attention_backend']}, {llm.device}] "
           f"{stats.generated_tokens} tokens in {elapsed:.2f} s "
           f"({summary['tokens_per_s']} tok/s){accept}")
-    return 0
+    return _exit_code(outputs)
+
+
+def _exit_code(outputs) -> int:
+    """1 when every request failed (their reasons are in the output), else 0."""
+    return 1 if all(o.finish_reason == "error" for o in outputs) else 0
 
 
 def _backends(args) -> int:

@@ -1,7 +1,7 @@
 """User-facing configuration: frozen dataclasses validated at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 METHODS = ("eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
@@ -92,7 +92,6 @@ class EngineConfig:
     target: str
     draft: str | None = None
     speculative: SpeculativeConfig | None = None
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str | None = None

@@ -38,6 +38,14 @@ class LLM:
                  draft_attention_backend: str | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("num_kv_blocks", num_kv_blocks), ("max_model_len", max_model_len)):
+            if value is not None and value < 1:
+                raise RocdraftError(f"{name} must be >= 1, got {value}")
+        if draft and speculative_config is None:
+            raise RocdraftError("a draft head was given without speculative_config; pass "
+                                "SpeculativeConfig(method='eagle' or 'eagle3', ...)")
         platform = detect_platform()
         device = device or platform.device
         if device.startswith("cuda") and not platform.is_gpu:
@@ -53,15 +61,16 @@ class LLM:
             target, self.torch_dtype, device, kind, block_size,
             attention_backend or envs.attention_backend())
         cfg = self.target.config
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
+        self.max_model_len = min(max_model_len if max_model_len is not None
+                                 else cfg.max_position_embeddings, cfg.max_position_embeddings)
         if cfg.sliding_window:  # attention here is full: stay where that equals the window's
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.head, self.draft_backend, self.proposer = None, None, None
         self.draft_graph_refusal: str | None = "no speculative decoding"
         k = spec.num_speculative_tokens if spec else 0
         max_blocks_per_seq = -(-(self.max_model_len + k) // block_size)
-        num_blocks = num_kv_blocks or max_num_seqs * max_blocks_per_seq
+        num_blocks = num_kv_blocks if num_kv_blocks is not None \
+            else max_num_seqs * max_blocks_per_seq
         if num_blocks * block_size < self.max_model_len + k:
             raise RocdraftError(f"num_kv_blocks {num_blocks} x block_size {block_size} cannot "
                                 f"hold one request of max_model_len {self.max_model_len}")

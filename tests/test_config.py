@@ -120,7 +120,6 @@ def test_max_blocks_per_seq(max_model_len, block_size, blocks):
 def test_engine_config_defaults():
     c = EngineConfig(target="some/dir")
     assert c.dtype in DTYPES and c.speculative is None and c.draft is None
-    assert isinstance(c.scheduler, SchedulerConfig)
     assert EngineConfig(target="t", draft="d", speculative=SpeculativeConfig()).draft == "d"
 
 

@@ -123,3 +123,14 @@ def test_engine_argument_errors(checkpoints, tmp_path):
     llm = LLM(path)
     with pytest.raises(RocdraftError, match="2 sampling params for 1 prompts"):
         llm.generate([[1, 2]], [SamplingParams(), SamplingParams()])
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1, got 0"),
+    (dict(max_model_len=0), "max_model_len must be >= 1, got 0"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+    (dict(draft="/some/head"), "without speculative_config"),
+])
+def test_engine_rejects_bad_sizes_and_a_stray_draft(checkpoints, kwargs, fragment):
+    with pytest.raises(RocdraftError, match=fragment):
+        LLM(str(checkpoints["llama"]), **kwargs)
