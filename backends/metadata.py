@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rocdraft.platform import host_to_device
+
 
 @dataclass(frozen=True)
 class CommonAttentionMetadata:
@@ -63,13 +65,13 @@ class CommonAttentionMetadata:
         sl_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
         return CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu,
-            seq_lens=sl_cpu.to(device), seq_lens_cpu=sl_cpu,
+            query_start_loc=host_to_device(qsl_cpu, device), query_start_loc_cpu=qsl_cpu,
+            seq_lens=host_to_device(sl_cpu, device), seq_lens_cpu=sl_cpu,
             num_reqs=len(seq_lens), num_actual_tokens=int(qsl_cpu[-1]),
             max_query_len=int(query_lens.max()) if len(seq_lens) else 0,
             max_seq_len=max(seq_lens) if seq_lens else 0,
-            block_table=block_table.to(device=device, dtype=torch.int32),
-            slot_mapping=slot_mapping.to(device=device, dtype=torch.int64), causal=causal)
+            block_table=host_to_device(block_table.to(torch.int32), device),
+            slot_mapping=host_to_device(slot_mapping.to(torch.int64), device), causal=causal)
 
 
 def token_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -71,14 +71,19 @@ def run_bench(args) -> int:
         args_baseline.target = builtin_paths().target
     base_llm, _ = make_llm(args_baseline)
     prompts = _prompts(args, spec_llm.tokenizer)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
-                            ignore_eos=True, seed=0 if args.temperature > 0 else None)
+    def params_for(batch_size: int) -> list:  # prompt i has seed i: repeated prompts differ
+        return [SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
+                               ignore_eos=True, seed=i if args.temperature > 0 else None)
+                for i in range(batch_size)]
+
+    spec_llm.sync_timing = True  # exact time split on GPUs
     results, total, done = [], len(batch_sizes) * args.repeat * 2, 0
-    _progress(0, total, "warm-up")
-    base_llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
-    spec_llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
+    warmup = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for batch_size in batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+        _progress(done, total, f"bs {batch_size} warm-up")
+        base_llm.generate(batch, warmup)  # first-use costs (JIT, allocator) are not timed
+        spec_llm.generate(batch, warmup)
         base_time = spec_time = 0.0
         base_tokens = spec_tokens = 0
         stats_sum, matches = None, True
@@ -86,7 +91,7 @@ def run_bench(args) -> int:
             order = (("base", base_llm), ("spec", spec_llm))
             for name, llm in (order if r % 2 == 0 else order[::-1]):
                 start = time.perf_counter()
-                outs = llm.generate(batch, params)
+                outs = llm.generate(batch, params_for(batch_size))
                 elapsed = time.perf_counter() - start
                 tokens = sum(len(o.token_ids) for o in outs)
                 if name == "base":

@@ -85,6 +85,8 @@ class LLM:
             self._setup_drafter(spec, kind, block_size, num_blocks, max_num_seqs,
                                 max_num_batched_tokens)
         self.last_stats = GenerationStats()
+        # True: synchronise a GPU at each phase boundary so the time split is exact (bench).
+        self.sync_timing = False
 
     def _setup_drafter(self, spec: SpeculativeConfig, kind: str, block_size: int,
                        num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -178,12 +180,19 @@ class LLM:
         return RequestOutput(list(req.prompt_token_ids), list(req.output_token_ids), text,
                              req.finish_reason or "length", req.error)
 
+    def _clock(self) -> float:
+        """Host time; with ``sync_timing`` on a GPU, after the queued work finished (so the
+        time split attributes GPU time to the right phase, at the cost of syncs)."""
+        if self.sync_timing and self.device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def _step(self, scheduler: Scheduler, stats: GenerationStats) -> None:
-        t0 = time.perf_counter()
+        t0 = self._clock()
         scheduled = scheduler.schedule()
         batch = build_step_batch(scheduled, self.scheduler_config.max_blocks_per_seq,
                                  self.scheduler_config.block_size, self.device)
-        t1 = time.perf_counter()
+        t1 = self._clock()
         aux_ids = self.head.aux_layer_ids(self.target.config.num_hidden_layers) \
             if self.head is not None else ()
         metadata = self.backend.builder_cls(self.device).build(batch.common)
@@ -192,7 +201,7 @@ class LLM:
         flat = batch.sample_indices.view(-1)
         logits = self.target.compute_logits(out.hidden_states[flat]).view(
             len(scheduled), batch.max_drafts + 1, -1)
-        t2 = time.perf_counter()
+        t2 = self._clock()
         sampling = SamplingTensors.build(
             [s.request.params for s in scheduled], [None] * len(scheduled), self.device,
             position_seeds=[(s.request.params.seed, len(s.request.output_token_ids))
@@ -200,16 +209,16 @@ class LLM:
                             for s, samples in zip(scheduled, batch.samples)])
         sampled = rejection_sample(logits, batch.draft_token_ids, batch.num_draft_tokens,
                                    batch.num_draft_tokens_cpu, sampling)
-        t3 = time.perf_counter()
+        t3 = self._clock()
         drafts = None
         if self.proposer is not None:
             hidden = out.aux_hidden_states if aux_ids else out.hidden_states
             drafts = self._propose(batch, sampled, hidden)
-        t4 = time.perf_counter()
+        t4 = self._clock()
         sampled_cpu = sampled.tolist()  # the one device-to-host sync of a step
         drafts_cpu = drafts.tolist() if drafts is not None else None
         self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu, stats)
-        t5 = time.perf_counter()
+        t5 = self._clock()
         stats.num_steps += 1
         stats.time_s["bookkeeping"] += (t1 - t0) + (t5 - t4)
         stats.time_s["target_verify"] += t2 - t1
@@ -219,7 +228,7 @@ class LLM:
     def _propose(self, batch: StepBatch, sampled: torch.Tensor, hidden) -> torch.Tensor:
         """Drafts [batch_size, k] for every row (rows that did not sample are discarded)."""
         proposer, spec = self.proposer, self.config.speculative
-        discard = torch.tensor([not s for s in batch.samples], device=self.device)
+        discard = batch.discard_request
         if spec.padded_drafting:
             next_ids, _, indices, rejected = proposer.prepare_padded(
                 sampled, discard, batch.backup_next_token_ids, batch.common,

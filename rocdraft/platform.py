@@ -26,3 +26,12 @@ def detect_platform() -> Platform:
             return Platform("rocm", props.gcnArchName.split(":")[0], "cuda")
         return Platform("cuda", f"sm_{props.major}{props.minor}", "cuda")
     return Platform("cpu", None, "cpu")
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without blocking the host: through pinned memory with
+    ``non_blocking=True`` on GPUs (a pageable copy would wait for queued kernels); a no-op on
+    the CPU."""
+    if str(device) == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rocdraft.platform import host_to_device
+
 
 @dataclass(frozen=True)
 class SamplingTensors:
@@ -28,12 +30,13 @@ class SamplingTensors:
     @staticmethod
     def build(params: list, generators: list, device,
               position_seeds: list | None = None) -> "SamplingTensors":
+        def dev(values, dtype):  # host list -> device without blocking the host
+            return host_to_device(torch.tensor(values, dtype=dtype), device)
+
         return SamplingTensors(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                                     device=device),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long,
-                               device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            temperature=dev([p.temperature for p in params], torch.float32),
+            top_k=dev([max(p.top_k, 0) for p in params], torch.long),
+            top_p=dev([p.top_p for p in params], torch.float32),
             generators=tuple(generators), all_greedy=all(p.greedy for p in params),
             position_seeds=tuple(position_seeds) if position_seeds is not None else None)
 

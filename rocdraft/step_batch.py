@@ -7,6 +7,7 @@ import torch
 
 from rocdraft.backends.kv_cache import compute_slot_mapping
 from rocdraft.backends.metadata import CommonAttentionMetadata
+from rocdraft.platform import host_to_device
 from rocdraft.scheduler import ScheduledRequest
 
 
@@ -20,6 +21,7 @@ class StepBatch:
     num_draft_tokens: torch.Tensor  # [batch_size] int64
     num_draft_tokens_cpu: list[int]
     samples: list[bool]  # [batch_size] the request reaches its last token this step
+    discard_request: torch.Tensor  # [batch_size] bool, not samples: drafts are discarded
     backup_next_token_ids: torch.Tensor  # [batch_size] next prompt token of partial prefills
 
     @property
@@ -59,13 +61,15 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     slots = compute_slot_mapping(block_table, torch.tensor(req_rows), positions_t, block_size)
     common = CommonAttentionMetadata.from_cpu(qsl, seq_lens, block_table, slots, device)
     num_drafts = [s.num_draft_tokens for s in scheduled]
+    samples = [s.completes_prefill for s in scheduled]
+
+    def dev(values, dtype=torch.long):  # host list -> device without blocking the host
+        return host_to_device(torch.tensor(values, dtype=dtype), device)
+
     return StepBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=positions_t.to(device), common=common,
-        sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=device),
-        draft_token_ids=torch.tensor(draft_rows, dtype=torch.long, device=device).view(
-            len(scheduled), max_drafts),
-        num_draft_tokens=torch.tensor(num_drafts, dtype=torch.long, device=device),
-        num_draft_tokens_cpu=num_drafts,
-        samples=[s.completes_prefill for s in scheduled],
-        backup_next_token_ids=torch.tensor(backups, dtype=torch.long, device=device))
+        input_ids=dev(ids), positions=host_to_device(positions_t, device), common=common,
+        sample_indices=dev(sample_rows),
+        draft_token_ids=dev(draft_rows).view(len(scheduled), max_drafts),
+        num_draft_tokens=dev(num_drafts), num_draft_tokens_cpu=num_drafts, samples=samples,
+        discard_request=dev([not s for s in samples], torch.bool),
+        backup_next_token_ids=dev(backups))
