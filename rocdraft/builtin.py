@@ -22,9 +22,12 @@ def builtin_root() -> Path:
 
 def builtin_paths() -> BuiltinPair:
     root = builtin_root()
-    pair = BuiltinPair(str(root / "target"), str(root / "eagle1"), str(root / "eagle3"))
-    for path in (pair.target, pair.eagle1, pair.eagle3):
-        if not (Path(path) / "config.json").is_file():
-            raise CheckpointError(f"the built-in model pair is missing {path}/config.json; "
-                                  f"pass --target DIR (and --draft DIR) or reinstall rocdraft")
-    return pair
+    return BuiltinPair(str(root / "target"), str(root / "eagle1"), str(root / "eagle3"))
+
+
+def require_builtin(path: str) -> str:
+    """``path`` of the pair, or a CheckpointError saying the pair is not installed."""
+    if not (Path(path) / "config.json").is_file():
+        raise CheckpointError(f"the built-in model pair is missing {path}/config.json; "
+                              f"pass --target DIR (and --draft DIR) or reinstall rocdraft")
+    return path

@@ -128,7 +128,7 @@ def _parse_ids(text: str) -> list[int]:
 
 def make_llm(args):
     """Build an LLM from the shared model flags (built-in pair by default)."""
-    from rocdraft.builtin import builtin_paths
+    from rocdraft.builtin import builtin_paths, require_builtin
     from rocdraft.config import SpeculativeConfig
     from rocdraft.engine import LLM
     from rocdraft.errors import RocdraftError
@@ -136,10 +136,10 @@ def make_llm(args):
     target, draft, method = args.target, args.draft, args.method
     if target is None:
         pair = builtin_paths()
-        target = pair.target
+        target = require_builtin(pair.target)
         method = method or "eagle3"
         if method != "none" and draft is None:
-            draft = pair.eagle3 if method == "eagle3" else pair.eagle1
+            draft = require_builtin(pair.eagle3 if method == "eagle3" else pair.eagle1)
     if method is None and draft:
         method = _head_method(draft)
     method = method or "none"
