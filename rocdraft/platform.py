@@ -30,8 +30,7 @@ def detect_platform() -> Platform:
 
 def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """Copy a host tensor to ``device`` without blocking the host: through pinned memory with
-    ``non_blocking=True`` on GPUs (a pageable copy would wait for queued kernels); a no-op on
-    the CPU."""
-    if str(device) == "cpu":
-        return tensor
+    ``non_blocking=True`` on GPUs (a pageable copy would wait for queued kernels)."""
+    if torch.device(device).type != "cuda":  # CPU: no copy; meta (tests): a plain move
+        return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

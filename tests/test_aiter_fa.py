@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass
-from types import ModuleType
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ from rocdraft.backends.kv_cache import NHD, SPLIT_K, read_kv_nhd
 from rocdraft.backends.varlen_context import build_varlen_context, exact_kv_rows, gather_kv
 from rocdraft.errors import BackendUnavailableError, RocdraftError, UnsupportedFeatureError
 from rocdraft.platform import detect_platform
-from vendor_emulation import (VendorContractError, make_step, random_cache, random_qkv,
+from vendor_emulation import (Vendor, VendorContractError, install_vendor, make_step, random_cache, random_qkv,
                               run_against_torch_sdpa)
 from vendor_emulation import aiter_emulation
 
@@ -40,35 +38,11 @@ BATCHES = {  # name: (query_lens, seq_lens)
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-@dataclass
-class Vendor:
-    module: ModuleType
-    device: str
-    emulated: bool
-    calls: list[str]
-
-
-def _recorder(fn, name: str, calls: list[str]):
-    def wrapper(*args, **kwargs):
-        calls.append(name)
-        return fn(*args, **kwargs)
-    return wrapper
-
-
 @pytest.fixture
 def aiter_vendor(monkeypatch) -> Vendor:
     """The real aiter where it can run, else the emulation; every API call is recorded."""
-    real = aiter_fa.AiterFABackend.availability() is None
-    if real:
-        module, device = importlib.import_module("aiter"), "cuda"
-    else:
-        module, device = aiter_emulation.make_aiter_module(), "cpu"
-        monkeypatch.setitem(sys.modules, "aiter", module)
-        monkeypatch.setattr(aiter_fa, "_on_rocm", lambda: True)
-    calls: list[str] = []
-    for name in aiter_emulation.API:
-        monkeypatch.setattr(module, name, _recorder(getattr(module, name), name, calls))
-    return Vendor(module, device, not real, calls)
+    return install_vendor(monkeypatch, "aiter", aiter_fa.AiterFABackend.availability() is None, aiter_emulation.make_aiter_module, aiter_emulation.API,
+                          lambda: monkeypatch.setattr(aiter_fa, "_on_rocm", lambda: True))
 
 
 def _run(vendor: Vendor, batch: str, block_size: int, dtype=torch.bfloat16, layout=NHD,

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass
-from types import ModuleType
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ from rocdraft.backends import registry
 from rocdraft.backends.base import Feature, GraphCapture
 from rocdraft.backends.kv_cache import NHD, SPLIT_K, read_kv_nhd
 from rocdraft.errors import BackendUnavailableError, RocdraftError, UnsupportedFeatureError
-from vendor_emulation import (VendorContractError, make_step, random_cache, random_qkv,
+from vendor_emulation import (Vendor, VendorContractError, install_vendor, make_step, random_cache, random_qkv,
                               run_against_torch_sdpa)
 from vendor_emulation import flash_attn_emulation
 
@@ -38,35 +36,11 @@ BATCHES = {  # name: (query_lens, seq_lens); seq lens cross the 256-token page b
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-@dataclass
-class Vendor:
-    module: ModuleType
-    device: str
-    emulated: bool
-    calls: list[str]
-
-
-def _recorder(fn, name: str, calls: list[str]):
-    def wrapper(*args, **kwargs):
-        calls.append(name)
-        return fn(*args, **kwargs)
-    return wrapper
-
-
 @pytest.fixture
 def flash_vendor(monkeypatch) -> Vendor:
     """The real flash_attn where it can run, else the emulation; every API call is recorded."""
-    real = flash_attn_backend.FlashAttnBackend.availability() is None
-    if real:
-        module, device = importlib.import_module("flash_attn"), "cuda"
-    else:
-        module, device = flash_attn_emulation.make_flash_attn_module(), "cpu"
-        monkeypatch.setitem(sys.modules, "flash_attn", module)
-        monkeypatch.setattr(flash_attn_backend, "_gpu_present", lambda: True)
-    calls: list[str] = []
-    for name in flash_attn_emulation.API:
-        monkeypatch.setattr(module, name, _recorder(getattr(module, name), name, calls))
-    return Vendor(module, device, not real, calls)
+    return install_vendor(monkeypatch, "flash_attn", flash_attn_backend.FlashAttnBackend.availability() is None, flash_attn_emulation.make_flash_attn_module, flash_attn_emulation.API,
+                          lambda: monkeypatch.setattr(flash_attn_backend, "_gpu_present", lambda: True))
 
 
 def _run(vendor: Vendor, batch: str, dtype=torch.bfloat16, num_heads=NUM_HEADS,

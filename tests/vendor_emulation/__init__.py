@@ -12,6 +12,11 @@ This module holds the pieces both emulations share, plus small builders for test
 """
 from __future__ import annotations
 
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
 import importlib.machinery
 import math
 import types
@@ -215,3 +220,35 @@ def run_against_torch_sdpa(backend_name: str, common, cache, query, key, value, 
         results.append((out, layer_cache))
     (out, cache_out), (ref, cache_ref) = results
     return out, ref, cache_out, cache_ref
+
+
+@dataclass
+class Vendor:
+    """The vendor module a contract test runs against (real or emulated), and its calls."""
+
+    module: ModuleType
+    device: str
+    emulated: bool
+    calls: list[str]
+
+
+def install_vendor(monkeypatch, module_name: str, real: bool, make_emulation, api,
+                   force_available) -> Vendor:
+    """The real package when it can run here, else the emulation put in ``sys.modules``
+    (with ``force_available`` patching the backend's platform check); every API call in
+    ``api`` is recorded in ``Vendor.calls``."""
+    if real:
+        module, device = importlib.import_module(module_name), "cuda"
+    else:
+        module, device = make_emulation(), "cpu"
+        monkeypatch.setitem(sys.modules, module_name, module)
+        force_available()
+    calls: list[str] = []
+    for name in api:
+        fn = getattr(module, name)
+
+        def wrapper(*args, _fn=fn, _name=name, **kwargs):
+            calls.append(_name)
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+    return Vendor(module, device, not real, calls)
