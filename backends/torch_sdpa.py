@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from rocdraft.backends.base import (AttentionBackend, AttentionImpl, BackendCapabilities,
                                     GraphCapture, MetadataBuilder)
@@ -77,16 +78,16 @@ def paged_attention_reference(query: torch.Tensor, cache: LayerKVCache,
     q_pos[req, idx] = meta.token_position
     padded_q, q_pos = padded_q[:batch_size], q_pos[:batch_size]
 
-    scores = torch.einsum("bqhd,bhkd->bhqk", padded_q, keys) * scale
     seq_lens = common.seq_lens.long().view(-1, 1, 1)
     visible = key_pos.view(1, 1, -1) < seq_lens  # [B, 1, max_s]
     if common.causal:
         visible = visible & (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1))  # [B, max_q+1, max_s]
     if common.spec_mask is not None:
         visible = visible & _spec_mask_visibility(common, q_pos, key_pos, max_q + 1)
-    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    out = torch.einsum("bhqk,bhkd->bqhd", probs, values)  # [B, max_q + 1, Hq, D]
+    # softmax(q k^T * scale, masked) v; a row that sees no key (padding) gives NaN -> 0.
+    out = F.scaled_dot_product_attention(padded_q.transpose(1, 2), keys, values,
+                                         attn_mask=visible.unsqueeze(1), scale=scale)
+    out = out.transpose(1, 2).nan_to_num(0.0)  # [B, max_q + 1, Hq, D]
     out = torch.cat([out, out.new_zeros(1, *out.shape[1:])], dim=0)
     return out[req, idx]
 
