@@ -63,9 +63,7 @@ def paged_attention_reference(query: torch.Tensor, cache: LayerKVCache,
     blocks = common.block_table[:, block_col].long().clamp(min=0)  # [batch_size, max_s]
     keys = key_nhd[blocks, key_pos % block_size]
     values = value_nhd[blocks, key_pos % block_size]
-    group = num_heads // num_kv_heads
-    keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, Hq, max_s, D]
-    values = values.repeat_interleave(group, dim=2).transpose(1, 2)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hk, max_s, D]
 
     # Scatter the queries into [batch_size + 1, max_q + 1, Hq, D]; the extra row/column is
     # scratch for graph-padding tokens.
@@ -85,8 +83,10 @@ def paged_attention_reference(query: torch.Tensor, cache: LayerKVCache,
     if common.spec_mask is not None:
         visible = visible & _spec_mask_visibility(common, q_pos, key_pos, max_q + 1)
     # softmax(q k^T * scale, masked) v; a row that sees no key (padding) gives NaN -> 0.
+    # GQA: query head h reads kv head h // (num_heads // num_kv_heads).
     out = F.scaled_dot_product_attention(padded_q.transpose(1, 2), keys, values,
-                                         attn_mask=visible.unsqueeze(1), scale=scale)
+                                         attn_mask=visible.unsqueeze(1), scale=scale,
+                                         enable_gqa=num_heads != num_kv_heads)
     out = out.transpose(1, 2).nan_to_num(0.0)  # [B, max_q + 1, Hq, D]
     out = torch.cat([out, out.new_zeros(1, *out.shape[1:])], dim=0)
     return out[req, idx]

@@ -10,8 +10,10 @@ argmax next token (the label greedy verification accepts). Training unrolls
 Evaluation simulates greedy chain drafting on held-out prompts' greedy
 continuations and prints acceptance length (accepted drafts + 1) for k = 1..6.
 
-  nice -n 5 python scripts/train_builtin_eagle.py --head eagle3 --minutes 25 \
-      --target models/builtin/target --out models/builtin/eagle3 > /tmp/builtin_eagle3.log 2>&1
+  python scripts/train_builtin_eagle.py --data-only --threads 2     # shared cache, ~13 min
+  python scripts/train_builtin_eagle.py --head eagle3 --minutes 30   # then both heads,
+  python scripts/train_builtin_eagle.py --head eagle1 --minutes 30   # concurrently is fine
+(see models/builtin/README.md for the exact commands used).
 """
 from __future__ import annotations
 
@@ -213,7 +215,6 @@ def save_head(head, cfg, out: Path):
     sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()
           if k not in ("d2t_ids",)}
     if head.kind == "eagle3":
-        sd = {k: v for k, v in sd.items()}
         ids = head.d2t_ids
         sd["d2t"] = (ids - torch.arange(ids.numel())).to(torch.int64)
         t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
@@ -221,6 +222,7 @@ def save_head(head, cfg, out: Path):
         sd["t2d"] = t2d
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     bc.write_json(out / "config.json", cfg)
+    (out / "model.safetensors").chmod(0o644)
 
 
 def main():
