@@ -123,8 +123,8 @@ class EagleProposer:
     def propose(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
                 target_hidden_states, next_token_ids: torch.Tensor,
                 last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
-                kv_caches: list[LayerKVCache], num_rejected: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                kv_caches: list[LayerKVCache], num_rejected: torch.Tensor | None = None,
+                num_drafts: int | None = None) -> torch.Tensor:
         """Chain drafting.
 
         target_token_ids [num_tokens], target_positions [num_tokens] (or [3, num_tokens] for
@@ -132,8 +132,14 @@ class EagleProposer:
         hidden states [num_tokens, H_target] (EAGLE-3), next_token_ids [B],
         last_token_indices [B] (where each request samples), common: the target's metadata
         for these tokens, num_rejected [B] (padded path: rejected tokens still in the batch)
-        -> draft token ids [B, num_speculative_tokens] int64 (target vocabulary).
+        num_drafts: how many drafts to produce this step (default and maximum
+        num_speculative_tokens)
+        -> draft token ids [B, num_drafts] int64 (target vocabulary).
         """
+        num_drafts = self.num_speculative_tokens if num_drafts is None else num_drafts
+        if not 1 <= num_drafts <= self.num_speculative_tokens:
+            raise ValueError(f"num_drafts must be in [1, {self.num_speculative_tokens}], "
+                             f"got {num_drafts}")
         num_tokens = target_token_ids.shape[0]
         batch_size = common.num_reqs
         if num_tokens > self.max_num_tokens or batch_size > self.max_num_seqs:
@@ -147,7 +153,7 @@ class EagleProposer:
         hidden = self.head(input_ids, target_positions, hidden, kv_caches, metadata)
         sample_hidden = hidden[last_token_indices]  # [B, H]
         draft_ids = self._greedy(sample_hidden)
-        if self.num_speculative_tokens == 1:
+        if num_drafts == 1:
             return draft_ids.view(-1, 1)
 
         positions = target_positions[..., last_token_indices]  # [B] or [3, B]
@@ -155,19 +161,21 @@ class EagleProposer:
         if num_rejected is not None:  # padded path: seq_len ends at the sampled token
             seq_lens = (seq_lens - num_rejected).to(torch.int32)
         runner = self.graph_runner
-        if runner is not None and positions.dim() == 1 and runner.accepts(batch_size):
+        full_loop = num_drafts == self.num_speculative_tokens  # what the graphs captured
+        if runner is not None and full_loop and positions.dim() == 1 \
+                and runner.accepts(batch_size):
             rest = runner.run(draft_ids, positions, seq_lens, sample_hidden, common.block_table,
                               common.max_seq_len)
         else:
             rest = self.draft_steps(draft_ids, positions, seq_lens, sample_hidden,
                                     common.block_table, kv_caches,
-                                    seq_len_bound=common.max_seq_len)
+                                    seq_len_bound=common.max_seq_len, steps=num_drafts - 1)
         return torch.cat([draft_ids.view(-1, 1), rest], dim=1)  # [B, k]
 
     def draft_steps(self, draft_ids: torch.Tensor, positions: torch.Tensor,
                     seq_lens: torch.Tensor, hidden: torch.Tensor, block_table: torch.Tensor,
                     kv_caches: list[LayerKVCache], seq_len_bound: int,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, steps: int | None = None) -> torch.Tensor:
         """The k-1 single-token draft steps, sync-free and graph-capturable.
 
         draft_ids [B] (the first draft), positions [B] (or [3, B]; position of the token that
@@ -176,7 +184,7 @@ class EagleProposer:
         every seq_len -> drafts 2..k [B, k-1] (written into ``out`` when given).
         """
         batch_size = draft_ids.shape[0]
-        steps = self.num_speculative_tokens - 1
+        steps = self.num_speculative_tokens - 1 if steps is None else steps
         query_start_loc = self.arange[:batch_size + 1]
         query_start_loc_cpu = self.arange_cpu[:batch_size + 1]
         # One host upper bound for every step (seq_lens grow by at most `steps`).

@@ -25,6 +25,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="speculative method (default: eagle3 with the built-in pair, "
                         "none with --target and no --draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--max-draft-tokens-per-step", type=int, default=None,
+                   help="cap on drafts verified per step over the batch: each request "
+                        "verifies min(k, cap // batch size) (default: no cap)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 on the CPU, bfloat16 on a GPU")
     p.add_argument("--block-size", type=int, default=16,
@@ -150,7 +153,8 @@ def make_llm(args):
     spec = None
     if method != "none":
         spec = SpeculativeConfig(method=method, num_speculative_tokens=args.num_speculative_tokens,
-                                 enforce_eager=args.enforce_eager)
+                                 enforce_eager=args.enforce_eager,
+                                 max_draft_tokens_per_step=args.max_draft_tokens_per_step)
     import torch
 
     on_gpu = args.device == "cuda" or (args.device is None and torch.cuda.is_available())

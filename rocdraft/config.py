@@ -48,6 +48,10 @@ class SpeculativeConfig:
     max_speculative_tokens: int = MAX_SPECULATIVE_TOKENS
     enforce_eager: bool = False  # True: never capture the draft loop in a CUDA/HIP graph
     padded_drafting: bool = True  # False: drop rejected tokens on the host (unpadded path)
+    # Cap on the draft tokens verified per step over the whole batch: each request verifies
+    # min(k, cap // num_requests) drafts, so extra verification compute stays bounded as the
+    # batch grows (speculation pays less at large batches). None: always k.
+    max_draft_tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -55,6 +59,9 @@ class SpeculativeConfig:
         if self.max_speculative_tokens < 1:
             raise ValueError(f"max_speculative_tokens must be >= 1, "
                              f"got {self.max_speculative_tokens}")
+        if self.max_draft_tokens_per_step is not None and self.max_draft_tokens_per_step < 1:
+            raise ValueError(f"max_draft_tokens_per_step must be >= 1 or None, "
+                             f"got {self.max_draft_tokens_per_step}")
         if not 1 <= self.num_speculative_tokens <= self.max_speculative_tokens:
             raise ValueError(f"num_speculative_tokens must be in [1, "
                              f"{self.max_speculative_tokens}], got {self.num_speculative_tokens}")

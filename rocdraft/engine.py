@@ -225,16 +225,28 @@ class LLM:
         stats.time_s["sampler"] += t3 - t2
         stats.time_s["draft"] += t4 - t3
 
+    def drafts_per_request(self, batch_size: int) -> int:
+        """Drafts each request verifies next step: k, or fewer when
+        ``max_draft_tokens_per_step`` caps the batch's total (0: plain decoding)."""
+        spec = self.config.speculative
+        if spec.max_draft_tokens_per_step is None:
+            return spec.num_speculative_tokens
+        return min(spec.num_speculative_tokens, spec.max_draft_tokens_per_step // batch_size)
+
     def _propose(self, batch: StepBatch, sampled: torch.Tensor, hidden) -> torch.Tensor:
-        """Drafts [batch_size, k] for every row (rows that did not sample are discarded)."""
+        """Drafts [batch_size, n] for every row (rows that did not sample are discarded), with
+        n = drafts_per_request (at least 1: the first draft forward also keeps the head's KV
+        cache in step with the target's)."""
         proposer, spec = self.proposer, self.config.speculative
+        num_drafts = max(self.drafts_per_request(batch.common.num_reqs), 1)
         discard = batch.discard_request
         if spec.padded_drafting:
             next_ids, _, indices, rejected = proposer.prepare_padded(
                 sampled, discard, batch.backup_next_token_ids, batch.common,
                 batch.num_draft_tokens)
             return proposer.propose(batch.input_ids, batch.positions, hidden, next_ids, indices,
-                                    batch.common, self.draft_kv_caches, num_rejected=rejected)
+                                    batch.common, self.draft_kv_caches, num_rejected=rejected,
+                                    num_drafts=num_drafts)
         sampled_cpu = sampled.tolist()
         next_ids = proposer.prepare_next_token_ids_cpu(
             sampled_cpu, discard.tolist(), batch.backup_next_token_ids.tolist())
@@ -246,11 +258,12 @@ class LLM:
         last = (common.query_start_loc[1:] - 1).long()
         return proposer.propose(batch.input_ids[kept], batch.positions[..., kept], hidden,
                                 torch.tensor(next_ids, device=self.device), last, common,
-                                self.draft_kv_caches)
+                                self.draft_kv_caches, num_drafts=num_drafts)
 
     def _update_requests(self, scheduler: Scheduler, scheduled: list[ScheduledRequest],
                          batch: StepBatch, sampled_cpu, drafts_cpu, stats: GenerationStats
                          ) -> None:
+        per_request = self.drafts_per_request(len(scheduled)) if drafts_cpu is not None else 0
         for row, item in enumerate(scheduled):
             req = item.request
             if not batch.samples[row]:  # partial prefill: nothing sampled yet
@@ -265,5 +278,5 @@ class LLM:
             if req.is_finished:
                 scheduler.finish(req)
             elif drafts_cpu is not None:
-                room = self.max_model_len - req.num_tokens
+                room = min(self.max_model_len - req.num_tokens, per_request)
                 req.spec_token_ids = drafts_cpu[row][:max(room, 0)]

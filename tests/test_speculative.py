@@ -150,3 +150,15 @@ def test_seeded_random_speculative_output_equals_seeded_target_only(pair):
                   speculative_config=SpeculativeConfig("eagle3", k))
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == base
         assert [o.token_ids for o in llm.generate(PROMPTS[:1], params[:1])] == base[:1]
+
+
+def test_draft_token_cap_shrinks_drafts_with_the_batch_and_stays_lossless(pair, reference):
+    spec = SpeculativeConfig("eagle3", 4, max_draft_tokens_per_step=8)
+    llm = LLM(pair["target"], draft=pair["eagle3"], speculative_config=spec)
+    assert [llm.drafts_per_request(b) for b in (1, 2, 3, 4, 8, 9)] == [4, 4, 2, 2, 1, 0]
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    # Four requests: at most two drafts each, so positions 3 and 4 are never proposed.
+    assert llm.last_stats.proposed_at_position[2:] == [0, 0]
+    assert llm.last_stats.proposed_at_position[1] > 0
+    with pytest.raises(ValueError, match="max_draft_tokens_per_step"):
+        SpeculativeConfig("eagle3", 4, max_draft_tokens_per_step=0)
