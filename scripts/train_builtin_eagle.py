@@ -264,7 +264,7 @@ def main():
     key = {k: getattr(args, k) for k in ("seed", "data_seqs", "prompt_len", "gen_len",
                                          "eval_prompts", "eval_gen", "gen_batch")}
     key["target_mtime"] = (Path(args.target) / "model.safetensors").stat().st_mtime
-    data = torch.load(cache, weights_only=False) if cache.exists() else None
+    data = torch.load(cache, weights_only=True) if cache.exists() else None
     if data is None or data["key"] != key:
         log("generating training data with the target (greedy continuations + features)")
         data = {"key": key, "train": build_train_data(target, tok, args),
