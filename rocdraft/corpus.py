@@ -23,7 +23,7 @@ import random
 import sysconfig
 import tokenize
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 EXCLUDED_DIR_NAMES = frozenset({"test", "tests", "site-packages", "dist-packages", "__pycache__"})
 EXCLUDED_REL_DIRS = frozenset({"idlelib/idle_test"})

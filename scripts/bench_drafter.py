@@ -27,7 +27,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rocdraft.backends.kv_cache import compute_slot_mapping
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.torch_sdpa import TorchSDPABackend
-from rocdraft.drafter import index_math
 from rocdraft.drafter.eagle import EagleProposer
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "item"}

@@ -18,7 +18,6 @@ continuations and prints acceptance length (accepted drafts + 1) for k = 1..6.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 

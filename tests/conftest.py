@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 # machines (two threads on two busy cores made a tiny linear 30x slower).
 torch.set_num_threads(1)
 
-import rocdraft.backends  # noqa: E402  (registers every backend)
+import rocdraft.backends  # noqa: E402,F401  (registers every backend)
 from rocdraft.backends import registry  # noqa: E402
 from rocdraft.platform import detect_platform  # noqa: E402
 

@@ -10,7 +10,6 @@ Hardware equality lives in tests/test_gpu_vendor_backends.py.
 """
 from __future__ import annotations
 
-import importlib
 import sys
 
 import pytest

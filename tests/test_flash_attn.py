@@ -11,8 +11,6 @@ tests/test_gpu_vendor_backends.py.
 """
 from __future__ import annotations
 
-import importlib
-import sys
 
 import pytest
 import torch
