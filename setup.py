@@ -44,7 +44,7 @@ setup(
     include_package_data=True,
     install_requires=["torch>=2.4", "numpy", "safetensors", "tokenizers", "triton"],
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers", "ninja"],
+        "test": ["pytest", "hypothesis", "transformers", "ninja", "matplotlib"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["rocdraft=rocdraft.cli:main"]},
