@@ -239,12 +239,18 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def read_config_json(path: str | Path) -> dict[str, Any]:
-    """config.json of the checkpoint directory ``path`` (CheckpointError when absent)."""
+def checkpoint_dir(path: str | Path) -> Path:
+    """``path`` as a Path, or a CheckpointError when it is not an existing directory."""
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {str(directory)!r} "
                               f"{'is not a directory' if directory.exists() else 'does not exist'}")
+    return directory
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """config.json of the checkpoint directory ``path`` (CheckpointError when absent)."""
+    directory = checkpoint_dir(path)
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"no config.json in checkpoint directory {str(directory)!r}")

@@ -10,7 +10,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from rocdraft.errors import CheckpointError
-from rocdraft.models.config import read_json
+from rocdraft.models.config import checkpoint_dir, read_json
 
 
 class Tokenizer:
@@ -51,10 +51,7 @@ def _token_content(value) -> str | None:
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
     """The tokenizer of checkpoint directory ``path``, or None when it has no tokenizer.json."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(directory)!r} "
-                              f"{'is not a directory' if directory.exists() else 'does not exist'}")
+    directory = checkpoint_dir(path)
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():
         return None

@@ -18,17 +18,14 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rocdraft.errors import CheckpointError
-from rocdraft.models.config import read_json
+from rocdraft.models.config import checkpoint_dir, read_json
 
 StateDict = dict[str, torch.Tensor]
 
 
 def weight_files(path: str | Path) -> list[Path]:
     """The weight files of checkpoint directory ``path`` (see the module docstring)."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(directory)!r} "
-                              f"{'is not a directory' if directory.exists() else 'does not exist'}")
+    directory = checkpoint_dir(path)
     if (directory / "model.safetensors.index.json").is_file():
         return _shards(directory, directory / "model.safetensors.index.json")
     if (directory / "model.safetensors").is_file():
