@@ -65,7 +65,9 @@ class LLM:
                                  else cfg.max_position_embeddings, cfg.max_position_embeddings)
         if cfg.sliding_window:  # attention here is full: stay where that equals the window's
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
+        self.builder = self.backend.builder_cls(device)
         self.head, self.draft_backend, self.proposer = None, None, None
+        self.aux_layer_ids: tuple[int, ...] = ()  # target layers whose inputs EAGLE-3 reads
         self.draft_graph_refusal: str | None = "no speculative decoding"
         k = spec.num_speculative_tokens if spec else 0
         max_blocks_per_seq = -(-(self.max_model_len + k) // block_size)
@@ -98,6 +100,7 @@ class LLM:
         if spec.num_speculative_tokens > 1:
             registry.require(self.draft_backend.name, Feature.MULTI_TOKEN_DRAFTING,
                              f"drafting {spec.num_speculative_tokens} tokens per step")
+        self.aux_layer_ids = self.head.aux_layer_ids(self.target.config.num_hidden_layers)
         num_layers, num_kv_heads, head_dim = self.head.kv_cache_spec()
         self.draft_kv_caches = allocate_kv_cache(num_layers, num_blocks, block_size,
                                                  num_kv_heads, head_dim, self.torch_dtype,
@@ -193,11 +196,9 @@ class LLM:
         batch = build_step_batch(scheduled, self.scheduler_config.max_blocks_per_seq,
                                  self.scheduler_config.block_size, self.device)
         t1 = self._clock()
-        aux_ids = self.head.aux_layer_ids(self.target.config.num_hidden_layers) \
-            if self.head is not None else ()
-        metadata = self.backend.builder_cls(self.device).build(batch.common)
+        metadata = self.builder.build(batch.common)
         out = self.target(batch.input_ids, batch.positions, self.kv_caches, metadata,
-                          aux_layer_ids=aux_ids)
+                          aux_layer_ids=self.aux_layer_ids)
         flat = batch.sample_indices.view(-1)
         logits = self.target.compute_logits(out.hidden_states[flat]).view(
             len(scheduled), batch.max_drafts + 1, -1)
@@ -212,7 +213,7 @@ class LLM:
         t3 = self._clock()
         drafts = None
         if self.proposer is not None:
-            hidden = out.aux_hidden_states if aux_ids else out.hidden_states
+            hidden = out.aux_hidden_states if self.aux_layer_ids else out.hidden_states
             drafts = self._propose(batch, sampled, hidden)
         t4 = self._clock()
         sampled_cpu = sampled.tolist()  # the one device-to-host sync of a step
