@@ -1,0 +1,133 @@
+"""Profile one decode step and one speculative step of the engine with torch.profiler.
+
+For target-only and EAGLE-3 (the built-in pair by default) at each batch size, the script
+prefills a batch of held-out prompts, runs a few warm-up steps, then profiles ``--steps``
+steady-state steps and prints, per step:
+
+- the time per phase (bookkeeping, target forward, sampler, drafter: the engine's own split),
+- the number of aten ops dispatched and the host-to-device syncs,
+- the top ops by self time (CPU, plus CUDA/HIP where a GPU is present).
+
+    python scripts/profile_step.py                       # bs 1 and 8, 1 torch thread
+    python scripts/profile_step.py --batch-size 8 --steps 20 --top 25 --threads 2
+
+What it measures is the machine it runs on: on a CPU the target forward is matmul-bound and
+the figures say nothing about an MI300. State the thread count with any figure you quote.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from rocdraft import LLM, SamplingParams, SpeculativeConfig
+from rocdraft.builtin import builtin_paths
+from rocdraft.corpus import heldout_prompts
+from rocdraft.outputs import GenerationStats
+from rocdraft.scheduler import Scheduler
+
+PHASES = ("bookkeeping", "target_verify", "sampler", "draft")
+
+
+def _parse() -> argparse.Namespace:
+    pairs = builtin_paths()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=pairs.target)
+    parser.add_argument("--draft", default=pairs.eagle3)
+    parser.add_argument("--method", default="eagle3", choices=("eagle", "eagle3"))
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, action="append", default=None)
+    parser.add_argument("--steps", type=int, default=10, help="profiled steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="unprofiled decode steps first")
+    parser.add_argument("--top", type=int, default=15, help="ops listed per run")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    for name in ("steps", "top", "threads", "num_speculative_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def _start_batch(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[Scheduler, list]:
+    """A scheduler holding ``prompts`` as requests, already past their prefill."""
+    scheduler = Scheduler(llm.scheduler_config)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    requests = [llm._make_request(i, p, params) for i, p in enumerate(prompts)]
+    for req in requests:
+        scheduler.add(req)
+    stats = GenerationStats(num_speculative_tokens=llm.config.speculative.num_speculative_tokens
+                            if llm.config.speculative else 0)
+    while any(not r.output_token_ids for r in requests):  # prefill (maybe chunked)
+        llm._step(scheduler, stats)
+    return scheduler, requests
+
+
+def profile_run(llm: LLM, label: str, prompts: list[str], args) -> None:
+    budget = (args.warmup + args.steps + 2) * (args.num_speculative_tokens + 1)
+    scheduler, _ = _start_batch(llm, prompts, budget)
+    stats = GenerationStats(num_speculative_tokens=llm.config.speculative.num_speculative_tokens
+                            if llm.config.speculative else 0)
+    for _ in range(args.warmup):
+        llm._step(scheduler, stats)
+    stats = GenerationStats(num_speculative_tokens=stats.num_speculative_tokens)
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available() and str(llm.device).startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            llm._step(scheduler, stats)
+    events = prof.key_averages()
+    steps = max(stats.num_steps, 1)
+    aten_calls = sum(e.count for e in events if e.key.startswith("aten::"))
+    # Ops the Python code dispatched itself (not those an op calls inside it).
+    dispatched = sum(1 for e in prof.events() if e.name.startswith("aten::") and (
+        e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+    syncs = sum(e.count for e in events
+                if e.key in ("aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize",
+                             "hipStreamSynchronize", "cudaDeviceSynchronize"))
+    total_ms = sum(stats.time_s.values()) * 1e3 / steps
+    print(f"\n=== {label}: batch size {len(prompts)}, {steps} steps, "
+          f"{torch.get_num_threads()} torch thread(s) ===")
+    print(f"per step: {total_ms:.2f} ms; " + ", ".join(
+        f"{p} {stats.time_s[p] * 1e3 / steps:.2f} ms ({100 * stats.time_s[p] / max(sum(stats.time_s.values()), 1e-12):.0f}%)"
+        for p in PHASES))
+    print(f"aten ops per step: {dispatched / steps:.0f} dispatched from Python, "
+          f"{aten_calls / steps:.0f} including nested; "
+          f"host syncs per step: {syncs / steps:.1f}")
+    if stats.num_verify_steps:
+        print(f"acceptance length {stats.acceptance_length:.2f}")
+    sort_key = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
+    print(events.table(sort_by=sort_key, row_limit=args.top, max_name_column_width=48))
+
+
+def main() -> int:
+    args = _parse()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+    batch_sizes = args.batch_size or [1, 8]
+    if any(b < 1 for b in batch_sizes):
+        print(f"profile_step: error: --batch-size must be >= 1, got {batch_sizes}",
+              file=sys.stderr)
+        return 2
+    common = dict(dtype=args.dtype, device=args.device, max_num_seqs=max(batch_sizes))
+    base = LLM(args.target, **common)
+    spec = LLM(args.target, draft=args.draft, **common,
+               speculative_config=SpeculativeConfig(args.method, args.num_speculative_tokens))
+    prompts = heldout_prompts(n=max(batch_sizes), prompt_tokens=96, seed=0,
+                              tokenizer=base.tokenizer)
+    for batch_size in batch_sizes:
+        profile_run(base, "target-only decode step", prompts[:batch_size], args)
+        profile_run(spec, f"{args.method} k={args.num_speculative_tokens} speculative step",
+                    prompts[:batch_size], args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
