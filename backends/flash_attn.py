@@ -11,10 +11,13 @@ Two kernels, chosen on the host from ints the step already carries (no device re
   request's context is gathered from the paged cache into contiguous K/V first
   (``varlen_context.py``), which works on every flash-attn build, paged-varlen or not.
 
-The paged path needs page sizes the build supports: FA2 on CUDA documents "page_block_size
-must be a multiple of 256", so the backend declares block_size_multiple=256 on every platform
-(a static declaration the registry can check; ROCm builds accept it too). No fp8 KV cache, no
-custom masks (chain drafting only). K/V are written with the project's reference write.
+The paged path needs page sizes the build supports: FA2 on CUDA checks "Paged KV cache block
+size must be divisible by 256" (csrc/flash_attn/flash_api.cpp), the ROCm CK build "divisible by
+128" (csrc/flash_attn_ck/mha_fwd_kvcache.cpp), so the backend declares block_size_multiple=256
+on every platform (a static declaration the registry can check). No fp8 KV cache, no custom
+masks (chain drafting only). K/V are written with the project's reference write.
+
+Facts are from flash-attn 2.8.3.post2 (the sdist on the package index).
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ from rocdraft.errors import RocdraftError
 
 NAME = "FLASH_ATTN"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-PAGE_BLOCK_MULTIPLE = 256  # flash_attn_with_kvcache: "page_block_size must be a multiple of 256"
+PAGE_BLOCK_MULTIPLE = 256  # flash_api.cpp: "Paged KV cache block size must be divisible by 256"
+# flash_api.cpp / flash_attn_ck/mha_fwd.cpp: "... only supports head dimension at most 256".
+MAX_HEAD_DIM = 256
 
 # Kernel paths (strings so that tests and logs can name them).
 PAGED = "flash_attn_with_kvcache"
@@ -134,6 +139,9 @@ def _check_inputs(query: torch.Tensor, cache: LayerKVCache) -> None:
     if cache.key.dtype != query.dtype:
         raise RocdraftError(f"{NAME} needs the KV cache in the query dtype {query.dtype} "
                             f"(no fp8 caches), got {cache.key.dtype}")
+    if query.shape[-1] > MAX_HEAD_DIM:
+        raise RocdraftError(f"{NAME} head_dim {query.shape[-1]} is above flash-attn's limit of "
+                            f"{MAX_HEAD_DIM}; use TRITON_ATTN or TORCH_SDPA")
     if cache.layout != NHD:
         raise RocdraftError(f"{NAME} KV layout {cache.layout!r} is not supported; valid: {NHD!r}")
     if cache.block_size % PAGE_BLOCK_MULTIPLE:
@@ -157,11 +165,15 @@ class FlashAttnBackend(AttentionBackend):
         # their kernel from host ints, so they are not captured: no FULL.
         graph_capture=GraphCapture.UNIFORM_DECODE,
         kv_layouts=(NHD,),
-        block_size_multiple=PAGE_BLOCK_MULTIPLE,
+        block_size_multiple=PAGE_BLOCK_MULTIPLE,  # CUDA 256 / ROCm CK 128: 256 fits both
+        # flash_api.cpp: "FlashAttention only support fp16 and bf16 data type".
         dtypes=HALF_DTYPES,
-        head_sizes=tuple(range(8, 257, 8)),  # FA2: head_dim <= 256 (multiples of 8 unpadded)
+        # flash_api.cpp: head_dim <= 256; other sizes than multiples of 8 are padded by copying
+        # q AND the whole paged cache per call (flash_attn_with_kvcache), so only multiples of
+        # 8 are declared.
+        head_sizes=None, head_size_multiple=8, max_head_size=MAX_HEAD_DIM,
         platforms=("rocm", "cuda"),
-        kv_cache_dtypes=())
+        kv_cache_dtypes=())  # flash-attn 2 reads fp16/bf16 caches only
 
     @classmethod
     def availability(cls) -> str | None:

@@ -23,6 +23,7 @@ from rocdraft.errors import BackendUnavailableError, RocdraftError, UnsupportedF
 from vendor_emulation import (Vendor, VendorContractError, install_vendor, make_step, random_cache, random_qkv,
                               run_against_torch_sdpa)
 from vendor_emulation import flash_attn_emulation
+from vendor_emulation.real_signatures import FLASH_ATTN, FLASH_ATTN_VERSION, signature_of
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 64, 256, 8
 BATCHES = {  # name: (query_lens, seq_lens); seq lens cross the 256-token page boundary
@@ -104,6 +105,37 @@ class TestContractEmulatedFlashAttn:
             flash_attn_emulation.flash_attn_varlen_func(flat, flat, flat, cu, cu, 2, 1)
 
 
+@pytest.mark.parametrize("name", sorted(FLASH_ATTN))
+def test_emulated_signatures_equal_the_real_ones(name):
+    assert signature_of(getattr(flash_attn_emulation, name)) == FLASH_ATTN[name]
+
+
+@pytest.mark.parametrize("name", sorted(FLASH_ATTN))
+def test_real_flash_attn_signatures_equal_the_checked_in_copy(name):
+    try:
+        import flash_attn
+    except Exception as exc:  # noqa: BLE001 (absent, or no GPU build: nothing to compare)
+        pytest.skip(f"flash_attn is not importable here: {type(exc).__name__}")
+    if getattr(flash_attn, "ROCDRAFT_EMULATION", False):
+        pytest.skip("sys.modules holds the emulation")
+    version = getattr(flash_attn, "__version__", "unknown")
+    assert signature_of(getattr(flash_attn, name)) == FLASH_ATTN[name], (
+        f"flash_attn {version} differs from the {FLASH_ATTN_VERSION} copy in real_signatures.py")
+
+
+def test_emulation_refuses_head_dims_above_256():
+    q = torch.zeros(2, 1, NUM_HEADS, 264, dtype=torch.float16)
+    pages = torch.zeros(2, 256, NUM_KV_HEADS, 264, dtype=torch.float16)
+    with pytest.raises(VendorContractError, match="at most 256"):
+        flash_attn_emulation.flash_attn_with_kvcache(
+            q, pages, pages, cache_seqlens=torch.tensor([3, 4], dtype=torch.int32),
+            block_table=torch.zeros(2, 1, dtype=torch.int32), causal=True)
+    flat = torch.zeros(4, NUM_HEADS, 264, dtype=torch.float16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(VendorContractError, match="at most 256"):
+        flash_attn_emulation.flash_attn_varlen_func(flat, flat[:, :2], flat[:, :2], cu, cu, 4, 4)
+
+
 def test_uniform_query_len_from_host_ints_only():
     assert flash_attn_backend.uniform_query_len(make_step([3, 3], [5, 9], 256, 2, "cpu")) == 3
     assert flash_attn_backend.uniform_query_len(make_step([1, 2], [5, 9], 256, 2, "cpu")) is None
@@ -129,6 +161,8 @@ def test_capabilities_are_declared_honestly():
     assert caps.config_problem(256, 128, torch.float16) is None
     assert caps.config_problem(512, 64, torch.bfloat16) is None
     assert "block_size" in caps.config_problem(16, 128, torch.float16)
+    assert caps.config_problem(256, 256, torch.float16) is None
+    assert "head_dim" in caps.config_problem(256, 264, torch.float16)
     assert "dtype" in caps.config_problem(256, 128, torch.float32)
     assert "kv cache dtype" in caps.config_problem(256, 128, torch.float16, torch.float8_e4m3fn)
 
@@ -141,15 +175,17 @@ def test_cpu_selection_and_availability_reasons():
         assert "GPU" in flash_attn_backend.FlashAttnBackend.availability()
 
 
-@pytest.mark.parametrize("case", ["fp32", "fp8", "split_k"])
+@pytest.mark.parametrize("case", ["fp32", "fp8", "split_k", "head_dim"])
 def test_unsupported_inputs_are_user_errors(case):
     dtype = torch.float32 if case == "fp32" else torch.float16
     cache_dtype = torch.float8_e4m3fn if case == "fp8" else dtype
     layout, block_size = (SPLIT_K, 16) if case == "split_k" else (NHD, BLOCK_SIZE)
-    impl = flash_attn_backend.FlashAttnImpl(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+    head_dim = 264 if case == "head_dim" else HEAD_DIM
+    impl = flash_attn_backend.FlashAttnImpl(NUM_HEADS, NUM_KV_HEADS, head_dim, head_dim ** -0.5)
     common = make_step([1], [3], block_size, 2, "cpu")
-    cache = random_cache(layout, 2, block_size, NUM_KV_HEADS, HEAD_DIM, cache_dtype, "cpu")
-    q, k, v = random_qkv(1, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype, "cpu")
-    expected = {"fp32": "float32", "fp8": "float8_e4m3fn", "split_k": "SPLIT_K"}[case]
+    cache = random_cache(layout, 2, block_size, NUM_KV_HEADS, head_dim, cache_dtype, "cpu")
+    q, k, v = random_qkv(1, NUM_HEADS, NUM_KV_HEADS, head_dim, dtype, "cpu")
+    expected = {"fp32": "float32", "fp8": "float8_e4m3fn", "split_k": "SPLIT_K",
+                "head_dim": "head_dim 264"}[case]
     with pytest.raises(RocdraftError, match=expected):
         impl.forward(q, k, v, cache, flash_attn_backend.FlashAttnBuilder("cpu").build(common))

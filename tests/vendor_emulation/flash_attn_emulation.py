@@ -1,12 +1,16 @@
 """TEST-ONLY emulation of the flash_attn calls FLASH_ATTN makes. Not flash-attn; no hardware.
 
-Signatures and preconditions follow flash_attn/flash_attn_interface.py (Dao-AILab, FA2):
+Signatures and preconditions follow flash-attn 2.8.3.post2 (the sdist on the package index):
+flash_attn/flash_attn_interface.py (signatures: tests/vendor_emulation/real_signatures.py) and
+csrc/flash_attn/flash_api.cpp ("head dimension at most 256"; the Python wrapper pads head dims
+to a multiple of 8; "Paged KV cache block size must be divisible by 256" on CUDA, 128 in the
+ROCm CK build, csrc/flash_attn_ck/mha_fwd_kvcache.cpp):
 ``flash_attn_varlen_func`` (q [total_q, H, D], k/v [total_k, Hk, D], int32 cu_seqlens, causal
 bottom-right) and ``flash_attn_with_kvcache`` (q [batch, seqlen_q, H, D]; paged k_cache
 [num_blocks, page_block_size, Hk, D] with "page_block_size must be a multiple of 256";
 int32 cache_seqlens and block_table; "k_cache must have contiguous last dimension").
 Appending new k/v inside the call, rotary, alibi, windows and soft-capping are not emulated
-and must stay unused.
+and must stay unused. flash-attn writes no fp8 cache (the adapter uses the reference write).
 """
 from __future__ import annotations
 
@@ -16,6 +20,12 @@ from . import (attend, check_cu_seqlens, check_gqa, check_half, check_int32,
 
 API = ("flash_attn_varlen_func", "flash_attn_with_kvcache")
 PAGE_MULTIPLE = 256
+MAX_HEAD_DIM = 256  # flash_api.cpp: "... only supports head dimension at most 256"
+
+
+def _check_head_dim(head_dim: int) -> None:
+    require(head_dim <= MAX_HEAD_DIM, f"FlashAttention forward only supports head dimension at "
+                                      f"most {MAX_HEAD_DIM}, got {head_dim}")
 
 
 def _check_unused(**options) -> None:
@@ -52,6 +62,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     check_max_seqlen("max_seqlen_q", max_seqlen_q, lens_q)
     check_max_seqlen("max_seqlen_k", max_seqlen_k, lens_k)
     require(k.shape[-1] == q.shape[-1] and v.shape == k.shape, "head dims or k/v shapes differ")
+    _check_head_dim(q.shape[-1])
     check_gqa(q.shape[1], k.shape[-2])
     if block_table is None:
         require(k.dim() == 3 and cu_k[-1] <= k.shape[0],
@@ -96,6 +107,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             f"caches must be 4-D alike, got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     batch, _, num_heads, head_dim = q.shape
     require(k_cache.shape[-1] == head_dim, "cache head_dim differs from q's")
+    _check_head_dim(head_dim)
     check_gqa(num_heads, k_cache.shape[2])
     check_int32("cache_seqlens", cache_seqlens, 1)
     require(cache_seqlens.shape[0] == batch, f"cache_seqlens has {cache_seqlens.shape[0]} "
