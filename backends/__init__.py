@@ -4,4 +4,4 @@ from rocdraft.backends import torch_sdpa  # noqa: F401  (registers TORCH_SDPA)
 from rocdraft.backends import triton_attn  # noqa: F401
 from rocdraft.backends import aiter_fa, flash_attn  # noqa: F401
 from rocdraft.backends.registry import (get_backend, registered_names,  # noqa: F401
-                                        select_backend)
+                                        select_backend, select_draft_backend)

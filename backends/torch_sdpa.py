@@ -121,5 +121,7 @@ class TorchSDPABackend(AttentionBackend):
     capabilities = BackendCapabilities(
         multi_token_drafting=True, tree_drafting=True, graph_capture=GraphCapture.FULL,
         kv_layouts=KV_LAYOUTS, block_size_multiple=1,
-        dtypes=(torch.float32, torch.float16, torch.bfloat16), head_sizes=None,
-        platforms=("cpu", "cuda", "rocm"), kv_cache_dtypes=FP8_DTYPES)
+        dtypes=(torch.float32, torch.float16, torch.bfloat16), head_sizes=None,  # any
+        platforms=("cpu", "cuda", "rocm"),
+        # torch casts to and from both fp8 formats on every device (no fp8 kernels involved).
+        kv_cache_dtypes=FP8_DTYPES)

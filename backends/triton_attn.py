@@ -19,14 +19,25 @@ import torch
 
 from rocdraft.backends.base import (AttentionBackend, AttentionImpl, BackendCapabilities,
                                     GraphCapture, MetadataBuilder)
-from rocdraft.backends.kv_cache import FP8_DTYPES, NHD, LayerKVCache
+from rocdraft.backends.kv_cache import NHD, LayerKVCache
 from rocdraft.backends.kv_write import write_kv
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.registry import register_backend
 
 CPU_REASON = "on the CPU TRITON_ATTN needs TRITON_INTERPRET=1 (the Triton interpreter)"
-# head_dim is padded to a power of two >= 16 inside the kernel; these are the sizes tested.
-HEAD_SIZES = (16, 32, 64, 80, 96, 128, 256)
+# Both kernels pad head_dim to a power of two (tl.arange needs one; attention pads to >= 16
+# for tl.dot) and mask the padding, so no head size is special below the largest tile. The
+# rule declared is the one compiled and tested: multiples of 16 (rows of 32 bytes in 16-bit
+# dtypes) up to 256 (BLOCK_D 256, the largest tile the compile check builds).
+HEAD_SIZE_MULTIPLE = 16
+MAX_HEAD_SIZE = 256
+# fp8 caches per target. Triton's NVIDIA backend has no fp8e4b8 (e4m3fnuz) and fp8e4nv
+# (e4m3fn) only from sm_89; its AMD backend converts every fp8 type on every arch (natively:
+# fnuz on gfx942, OCP on gfx950; in software on gfx90a, which has no fp8 of its own). Declared:
+# the format torch uses on each arch; on the CPU (interpreter) both.
+FP8_FORMATS = (("gfx942", torch.float8_e4m3fnuz), ("gfx90a", torch.float8_e4m3fnuz),
+               ("gfx950", torch.float8_e4m3fn), ("sm_89+", torch.float8_e4m3fn),
+               ("cpu", torch.float8_e4m3fn), ("cpu", torch.float8_e4m3fnuz))
 
 
 @dataclass(frozen=True)
@@ -86,8 +97,9 @@ class TritonAttnBackend(AttentionBackend):
     capabilities = BackendCapabilities(
         multi_token_drafting=True, tree_drafting=True, graph_capture=GraphCapture.FULL,
         kv_layouts=(NHD,), block_size_multiple=1,
-        dtypes=(torch.float32, torch.float16, torch.bfloat16), head_sizes=HEAD_SIZES,
-        platforms=("rocm", "cuda", "cpu"), kv_cache_dtypes=FP8_DTYPES)
+        dtypes=(torch.float32, torch.float16, torch.bfloat16), head_sizes=None,
+        head_size_multiple=HEAD_SIZE_MULTIPLE, max_head_size=MAX_HEAD_SIZE,
+        platforms=("rocm", "cuda", "cpu"), kv_cache_formats=FP8_FORMATS)
 
     @classmethod
     def availability(cls) -> str | None:

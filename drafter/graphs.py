@@ -11,6 +11,16 @@ what the CPU tests compare against unpadded execution.
 What is captured: per step the position/slot/seq-len update, the metadata refresh
 (``build_for_drafting``), the head's forward (KV write + attention) and the argmax. The
 first draft forward over the target's tokens has a ragged shape and runs eagerly before.
+
+Memory: a graph is captured for one host bound of every step's sequence length,
+``max_seq_len`` (default ``max_model_len``), and a backend may size work buffers by it:
+TORCH_SDPA gathers ``[bucket, max_seq_len, num_kv_heads, head_dim]`` float32 keys and values
+per layer and step, i.e. ``2 * 4 * bucket * max_seq_len * num_kv_heads * head_dim`` bytes
+(``sdpa_gather_bytes``); TRITON_ATTN allocates nothing per step. A smaller ``max_seq_len``
+shrinks the graphs' pool; a batch whose sequences may grow past it (``seq_len_bound + k - 1
+> max_seq_len``) runs eagerly instead of replaying. On a GPU the pool growth of each
+bucket's capture is recorded in ``capture_bytes``. The CPU runs the same bounded loop
+eagerly through the static buffers.
 """
 from __future__ import annotations
 
@@ -48,13 +58,32 @@ def graph_capture_refusal(backend, device: str, enforce_eager: bool) -> str | No
     return None
 
 
+def sdpa_gather_bytes(bucket: int, max_seq_len: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes TORCH_SDPA's reference gathers per layer and draft step: float32 keys and
+    values ``[bucket, max_seq_len, num_kv_heads, head_dim]``.
+
+    Example: bucket 64, max_seq_len 4096, 8 KV heads of 128 -> 2 * 4 * 64 * 4096 * 1024 bytes
+    = 2 GiB (at max_model_len 4096), 256 MiB at max_seq_len 512.
+    """
+    return 2 * 4 * bucket * max_seq_len * num_kv_heads * head_dim
+
+
 class DraftLoopRunner:
     def __init__(self, proposer, kv_caches: list[LayerKVCache], hidden_size: int,
-                 max_blocks_per_seq: int, buckets: tuple[int, ...], use_graphs: bool) -> None:
+                 max_blocks_per_seq: int, buckets: tuple[int, ...], use_graphs: bool,
+                 max_seq_len: int | None = None) -> None:
+        """``max_seq_len``: the longest sequence any captured step attends over (default and
+        maximum ``proposer.max_model_len``); batches that may need more run eagerly."""
+        steps = proposer.num_speculative_tokens - 1
+        bound = proposer.max_model_len if max_seq_len is None else max_seq_len
+        if not steps + 1 <= bound <= proposer.max_model_len:
+            raise ValueError(f"max_seq_len must be in [{steps + 1}, max_model_len="
+                             f"{proposer.max_model_len}], got {max_seq_len}")
         self.proposer, self.kv_caches = proposer, kv_caches
         self.buckets, self.use_graphs = tuple(sorted(buckets)), use_graphs
+        self.max_seq_len = bound
+        self.capture_bytes: dict[int, int] = {}  # bucket -> pool growth of its capture (GPU)
         largest, device = self.buckets[-1], proposer.device
-        steps = proposer.num_speculative_tokens - 1
         self.draft_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
@@ -67,8 +96,15 @@ class DraftLoopRunner:
         if use_graphs:
             self._capture_all()
 
-    def accepts(self, batch_size: int) -> bool:
-        return batch_size <= self.buckets[-1]
+    def accepts(self, batch_size: int, seq_len_bound: int | None = None) -> bool:
+        """Whether ``run`` replays the captured loop for this batch (else it runs eagerly)."""
+        return batch_size <= self.buckets[-1] and (
+            seq_len_bound is None or self._fits(seq_len_bound))
+
+    def _fits(self, seq_len_bound: int) -> bool:
+        """Every step's seq_len stays <= max_seq_len (draft_steps clamps at max_model_len)."""
+        steps = self.proposer.num_speculative_tokens - 1
+        return min(seq_len_bound + steps, self.proposer.max_model_len) <= self.max_seq_len
 
     def bucket_for(self, batch_size: int) -> int:
         return next(b for b in self.buckets if b >= batch_size)
@@ -80,34 +116,43 @@ class DraftLoopRunner:
         self.draft_ids.zero_()
         self.hidden.zero_()
 
-    def _loop(self, bucket: int, seq_len_bound: int) -> None:
+    def _loop(self, bucket: int) -> None:
+        """The draft steps on the static buffers, bounded by max_seq_len (as captured)."""
+        steps = self.proposer.num_speculative_tokens - 1
         self.proposer.draft_steps(
             self.draft_ids[:bucket], self.positions[:bucket], self.seq_lens[:bucket],
             self.hidden[:bucket], self.block_table[:bucket], self.kv_caches,
-            seq_len_bound=seq_len_bound, out=self.out[:bucket])
+            seq_len_bound=self.max_seq_len - steps, out=self.out[:bucket])
 
     def _capture_all(self) -> None:
-        bound = self.proposer.max_model_len  # static: any step's seq_len is below it
         pool = torch.cuda.graph_pool_handle()
         self._pad_all()  # capture with padding rows only: nothing is written to the cache
         for bucket in reversed(self.buckets):  # largest first, so the pool fits them all
+            before = torch.cuda.memory_reserved()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: lazy inits, autotuning, allocator growth
-                    self._loop(bucket, bound)
+                    self._loop(bucket)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._loop(bucket, bound)
+                self._loop(bucket)
             self.graphs[bucket] = graph
-        log.info("captured the draft loop for buckets %s", list(self.buckets))
+            self.capture_bytes[bucket] = torch.cuda.memory_reserved() - before
+        log.info("captured the draft loop for buckets %s (max_seq_len %d, memory reserved "
+                 "per capture %s)", list(self.buckets), self.max_seq_len, self.capture_bytes)
 
     def run(self, draft_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
             hidden: torch.Tensor, block_table: torch.Tensor, seq_len_bound: int
             ) -> torch.Tensor:
-        """Same contract as ``EagleProposer.draft_steps``; -> [B, k-1] (a copy)."""
+        """Same contract as ``EagleProposer.draft_steps``; -> [B, k-1] (a copy). A batch
+        whose steps may pass max_seq_len runs eagerly on its own tensors."""
         batch_size = draft_ids.shape[0]
+        if not self._fits(seq_len_bound):
+            return self.proposer.draft_steps(draft_ids, positions, seq_lens, hidden,
+                                             block_table, self.kv_caches,
+                                             seq_len_bound=seq_len_bound)
         bucket = self.bucket_for(batch_size)
         width = block_table.shape[1]
         self.draft_ids[:batch_size].copy_(draft_ids)
@@ -123,5 +168,5 @@ class DraftLoopRunner:
         if bucket in self.graphs:
             self.graphs[bucket].replay()
         else:
-            self._loop(bucket, seq_len_bound)
+            self._loop(bucket)
         return self.out[:batch_size].clone()

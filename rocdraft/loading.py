@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 
 from rocdraft.backends import registry
-from rocdraft.backends.base import AttentionBackend
-from rocdraft.models.config import load_model_config
+from rocdraft.models.config import HeadConfig, load_model_config, read_config_json
 from rocdraft.models.draft_loader import load_draft
 from rocdraft.models.llama import load_target
 from rocdraft.models.tokenizer import load_tokenizer
@@ -23,15 +22,20 @@ def load_target_model(path: str, dtype: torch.dtype, device: str, platform_kind:
 
 
 def load_draft_head(path: str, target, method: str, dtype: torch.dtype, device: str,
-                    platform_kind: str, block_size: int, backend_name: str | None
-                    ) -> tuple[torch.nn.Module, type[AttentionBackend]]:
-    """-> (EAGLE head, its attention backend). The head's format must match ``method``."""
-    req = registry.ModelRequirements(block_size=block_size, dtype=dtype)
-    backend = registry.select_backend(platform_kind, backend_name, req).backend
-    head = load_draft(path, target, dtype, device, backend)
+                    platform_kind: str, block_size: int, target_backend: str,
+                    explicit: str | None, num_speculative_tokens: int, need_graphs: bool,
+                    arch: str | None = None) -> tuple[torch.nn.Module, registry.Selection]:
+    """-> (EAGLE head, the Selection of its attention backend). The backend is chosen by
+    ``registry.select_draft_backend`` (``explicit``, else ROCDRAFT_DRAFT_ATTENTION_BACKEND, else
+    by what the draft loop needs); the head's format must match ``method``."""
+    head_dim = HeadConfig.from_dict(read_config_json(path)).head_dim
+    req = registry.ModelRequirements(block_size=block_size, head_dim=head_dim, dtype=dtype)
+    selection = registry.select_draft_backend(platform_kind, target_backend, explicit, req,
+                                              num_speculative_tokens, need_graphs, arch)
+    head = load_draft(path, target, dtype, device, selection.backend)
     head_method = "eagle3" if head.aux_layer_ids(target.config.num_hidden_layers) else "eagle"
     if head_method != method:
         raise registry.RocdraftError(
             f"draft head at {path} is an {head_method.upper()} head but method {method!r} was "
             f"requested; use method {head_method!r}")
-    return head, backend
+    return head, selection

@@ -1,10 +1,14 @@
-"""Compile every catalogued Triton kernel for gfx942, gfx90a and sm_90 without a GPU.
+"""Compile every catalogued Triton kernel for gfx942, gfx90a, gfx950 and sm_90 without a GPU.
 
     python scripts/check_kernels_compile.py                       # everything
     python scripts/check_kernels_compile.py --kernel advance_draft_step --target gfx942
 
 Prints one line per (kernel entry, target) and exits non-zero when any compile fails or when
 a ``@triton.jit`` function in backends/triton_kernels/ is missing from the catalog.
+
+The (dtype, KV-cache dtype) pairs compiled per target are those TRITON_ATTN declares for that
+target (``catalog.declared_pairs``): an fp8 format declared for an arch that Triton cannot
+build for it fails here, and an undeclared one is never built.
 
 What it proves: each kernel lowers to an AMDGCN code object (hsaco) / a cubin for the target
 with its representative types and tile sizes. What it does not: numerical correctness (the
@@ -51,15 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from rocdraft.backends.triton_kernels.catalog import (TARGETS, kernel_catalog,
-                                                          uncatalogued_kernels)
+    from rocdraft.backends.triton_kernels.catalog import (TARGETS, compile_plan,
+                                                          kernel_catalog, uncatalogued_kernels)
 
-    target_names = [str(arch) for _, arch, _ in TARGETS]
+    target_names = [t.name for t in TARGETS] + [str(t.arch) for t in TARGETS
+                                                if t.backend == "cuda"]
     args = _parse_args(argv, target_names)
     catalog = kernel_catalog()
     if args.list:
         for spec in catalog:
-            print(f"{spec.name}  backends={','.join(spec.backends)}")
+            print(f"{spec.name}  targets={','.join(spec.targets)}")
         return 0
     failures = 0
     missing = uncatalogued_kernels(catalog)
@@ -71,24 +76,23 @@ def main(argv: list[str] | None = None) -> int:
     if not chosen:
         print(f"no catalog entry matches {args.kernel}; entries: {[s.name for s in catalog]}")
         return 2
-    targets = [t for t in TARGETS if not args.target or str(t[1]) in args.target]
-    for spec in chosen:
-        for backend, arch, warp_size in targets:
-            if backend not in spec.backends:
-                continue
-            label = f"{spec.name:<45} {backend}:{arch}"
-            start = time.perf_counter()
-            try:
-                source = ASTSource(spec.kernel, signature=spec.signature_dict(),
-                                   constexprs=spec.constexpr_dict())
-                compiled = triton.compile(source, target=GPUTarget(backend, arch, warp_size))
-            except Exception as exc:  # report every failure, then exit non-zero
-                lines = str(exc).strip().splitlines() or [""]
-                print(f"FAIL  {label}  {type(exc).__name__}: {lines[0]} {lines[-1][:300]}")
-                failures += 1
-                continue
-            print(f"OK    {label}  {_artifact(compiled)}  {time.perf_counter() - start:.1f}s")
-    print(f"{failures} failure(s)")
+    targets = tuple(t for t in TARGETS if not args.target
+                    or t.name in args.target or str(t.arch) in args.target)
+    plan = compile_plan(tuple(chosen), targets)
+    for spec, target in plan:
+        label = f"{spec.name:<50} {target.backend}:{target.arch}"
+        start = time.perf_counter()
+        try:
+            source = ASTSource(spec.kernel, signature=spec.signature_dict(),
+                               constexprs=spec.constexpr_dict())
+            compiled = triton.compile(source, target=GPUTarget(*target))
+        except Exception as exc:  # report every failure, then exit non-zero
+            lines = str(exc).strip().splitlines() or [""]
+            print(f"FAIL  {label}  {type(exc).__name__}: {lines[0]} {lines[-1][:300]}")
+            failures += 1
+            continue
+        print(f"OK    {label}  {_artifact(compiled)}  {time.perf_counter() - start:.1f}s")
+    print(f"{len(plan)} compile(s), {failures} failure(s)")
     return 1 if failures else 0
 
 

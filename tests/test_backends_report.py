@@ -1,5 +1,5 @@
 """backends_report / format_backends_report: every registered backend with its capabilities
-and availability, and which backend would be selected now and why."""
+and availability, which backend would be selected now and why, and the draft loop's."""
 from __future__ import annotations
 
 import json
@@ -7,24 +7,27 @@ from dataclasses import replace
 
 import pytest
 
+from rocdraft import backends_report as report_module
 from rocdraft.backends import registry
 from rocdraft.backends_report import backends_report, format_backends_report
-from rocdraft.platform import detect_platform
+from rocdraft.platform import Platform, detect_platform
 
 CAPABILITY_KEYS = {"multi_token_drafting", "tree_drafting", "graph_capture", "kv_layouts",
                    "block_size_multiple", "dtypes", "head_sizes", "kv_cache_dtypes",
-                   "platforms"}
+                   "kv_cache_formats", "platforms"}
 
 
 @pytest.fixture(autouse=True)
 def _no_env_choice(monkeypatch):
     monkeypatch.delenv("ROCDRAFT_ATTENTION_BACKEND", raising=False)
+    monkeypatch.delenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", raising=False)
 
 
 def test_structure():
     report = backends_report()
     platform = detect_platform()
-    assert set(report) == {"platform", "arch", "backends", "selected"}
+    assert set(report) == {"platform", "arch", "backends", "selected", "draft"}
+    assert set(report["draft"]) == {"name", "reason", "refused"}
     assert report["platform"] == platform.kind and report["arch"] == platform.arch
     assert [row["name"] for row in report["backends"]] == registry.registered_names()
     for row in report["backends"]:
@@ -39,7 +42,8 @@ def test_structure():
         assert caps["graph_capture"] == cls.capabilities.graph_capture.name
         assert caps["platforms"] == list(cls.capabilities.platforms)
         assert all(not d.startswith("torch.") for d in caps["dtypes"] + caps["kv_cache_dtypes"])
-        assert caps["head_sizes"] == "any" or all(isinstance(h, int) for h in caps["head_sizes"])
+        assert isinstance(caps["head_sizes"], str) or all(isinstance(h, int)
+                                                          for h in caps["head_sizes"])
     # The report is what ``rocdraft backends --json`` prints.
     assert json.loads(json.dumps(report)) == report
 
@@ -139,3 +143,63 @@ def test_format_lists_refused_candidates():
                           "refused": {"ROCM_AITER_FA": "aiter is not installed"}}
     text = format_backends_report(report)
     assert "refused ROCM_AITER_FA: aiter is not installed" in text
+
+
+def test_head_sizes_show_the_rule_or_the_list():
+    rows = {row["name"]: row["capabilities"] for row in backends_report()["backends"]}
+    assert rows["TRITON_ATTN"]["head_sizes"] == "a multiple of 16 up to 256"
+    assert rows["TORCH_SDPA"]["head_sizes"] == "any"
+    for name, caps in rows.items():  # vendor backends with a real list show the list
+        declared = registry.get_backend(name).capabilities
+        if declared.head_size_multiple is None and declared.max_head_size is None \
+                and declared.head_sizes is not None:
+            assert caps["head_sizes"] == list(declared.head_sizes), name
+
+
+def _fake_rocm(monkeypatch, arch="gfx942"):
+    """The report as on an MI300 whose aiter imports: TRITON_ATTN and ROCM_AITER_FA usable."""
+    monkeypatch.setattr(report_module, "detect_platform", lambda: Platform("rocm", arch, "cuda"))
+    for name in ("ROCM_AITER_FA", "TRITON_ATTN"):
+        monkeypatch.setattr(registry.get_backend(name), "availability", classmethod(
+            lambda cls: None))
+
+
+def test_fp8_formats_are_the_ones_of_this_arch(monkeypatch):
+    _fake_rocm(monkeypatch)
+    rows = {row["name"]: row["capabilities"] for row in backends_report()["backends"]}
+    assert rows["TRITON_ATTN"]["kv_cache_dtypes"] == ["float8_e4m3fnuz"]
+    assert "sm_89+: float8_e4m3fn" in rows["TRITON_ATTN"]["kv_cache_formats"]
+    monkeypatch.setattr(report_module, "detect_platform",
+                        lambda: Platform("cuda", "sm_90", "cuda"))
+    rows = {row["name"]: row["capabilities"] for row in backends_report()["backends"]}
+    assert rows["TRITON_ATTN"]["kv_cache_dtypes"] == ["float8_e4m3fn"]
+
+
+def test_draft_choice_on_rocm_is_triton_with_the_reason(monkeypatch):
+    """On an MI300 the target gets ROCM_AITER_FA (UNIFORM_DECODE capture only), so the draft
+    loop gets TRITON_ATTN (FULL) and the report says why."""
+    _fake_rocm(monkeypatch)
+    report = backends_report()
+    assert report["selected"]["name"] == "ROCM_AITER_FA"
+    draft = report["draft"]
+    assert draft["name"] == "TRITON_ATTN"
+    assert "ROCM_AITER_FA" in draft["reason"] and "full_graph_capture" in draft["reason"]
+    text = format_backends_report(report)
+    assert f"draft loop (EAGLE head, k > 1): TRITON_ATTN ({draft['reason']})" in text
+
+
+def test_draft_choice_from_env(monkeypatch):
+    monkeypatch.setenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", "TORCH_SDPA")
+    draft = backends_report()["draft"]
+    assert draft["name"] == "TORCH_SDPA"
+    assert "ROCDRAFT_DRAFT_ATTENTION_BACKEND" in draft["reason"]
+    monkeypatch.setenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", "NO_SUCH")
+    draft = backends_report()["draft"]
+    assert draft["name"] is None
+    assert "ROCDRAFT_DRAFT_ATTENTION_BACKEND" in draft["reason"] and "NO_SUCH" in draft["reason"]
+
+
+@pytest.mark.skipif(detect_platform().kind != "cpu", reason="CPU-only expectations")
+def test_draft_choice_on_cpu_is_the_targets():
+    draft = backends_report()["draft"]
+    assert draft["name"] == "TORCH_SDPA" and "target's backend" in draft["reason"]

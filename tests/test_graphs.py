@@ -11,7 +11,8 @@ import torch
 from checkpoints import write_eagle3_head, write_tiny_llama
 from rocdraft.backends.torch_sdpa import TorchSDPABackend
 from rocdraft.config import SamplingParams, SpeculativeConfig
-from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets, graph_capture_refusal
+from rocdraft.drafter.graphs import (DraftLoopRunner, capture_buckets, graph_capture_refusal,
+                                     sdpa_gather_bytes)
 from rocdraft.engine import LLM
 
 BUCKETS = (1, 2, 4, 8)
@@ -26,12 +27,12 @@ def llm(tmp_path_factory):
                speculative_config=SpeculativeConfig("eagle3", 4))
 
 
-def _inputs(llm, batch_size: int, seed: int):
+def _inputs(llm, batch_size: int, seed: int, near_the_end: bool = True):
     """Draft-step inputs for ``batch_size`` requests with random lengths, on disjoint blocks.
-    One request sits near max_model_len so its steps clamp."""
+    With ``near_the_end``, one request sits near max_model_len so its steps clamp."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 40, (batch_size,), generator=g)
-    if batch_size > 1:
+    if batch_size > 1 and near_the_end:
         lengths[-1] = llm.max_model_len - 2
     width = llm.scheduler_config.max_blocks_per_seq
     table = torch.arange(batch_size * width, dtype=torch.int32).view(batch_size, width)
@@ -76,6 +77,70 @@ def test_padded_bucket_equals_unpadded(llm, batch_size):
             torch.testing.assert_close(now, unpadded, rtol=1e-5, atol=1e-5)
 
 
+def _randomise(caches):
+    for cache in caches:
+        cache.key.normal_()
+        cache.value.normal_()
+    return [(c.key.clone(), c.value.clone()) for c in caches]
+
+
+def _restore(caches, snapshot):
+    for cache, (key, value) in zip(caches, snapshot):
+        cache.key.copy_(key)
+        cache.value.copy_(value)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_bounded_capture_equals_unpadded(llm, batch_size, monkeypatch):
+    """A runner captured for max_seq_len 48 (max_model_len is 64): batches that fit replay
+    the static buffers with 48 as every step's bound; a batch whose request may pass it runs
+    eagerly on its own tensors. Both give exactly the unpadded drafts."""
+    proposer, caches = llm.proposer, llm.draft_kv_caches
+    steps = proposer.num_speculative_tokens - 1
+    runner = DraftLoopRunner(proposer, caches, llm.head.config.hidden_size,
+                             llm.scheduler_config.max_blocks_per_seq, BUCKETS, use_graphs=False,
+                             max_seq_len=48)
+    bounds = []
+    real_draft_steps = proposer.draft_steps
+
+    def spy(*args, **kwargs):
+        bounds.append((args[0].shape[0], kwargs["seq_len_bound"]))
+        return real_draft_steps(*args, **kwargs)
+
+    for near_the_end in (False, True):
+        draft_ids, positions, seq_lens, hidden, table, bound = _inputs(
+            llm, batch_size, 100 + batch_size, near_the_end)
+        snapshot = _randomise(caches)
+        expected = real_draft_steps(draft_ids, positions, seq_lens, hidden, table, caches,
+                                    seq_len_bound=bound)
+        _restore(caches, snapshot)
+        fits = bound + steps <= 48
+        assert runner.accepts(batch_size, bound) is fits
+        monkeypatch.setattr(proposer, "draft_steps", spy)
+        bounds.clear()
+        got = runner.run(draft_ids, positions, seq_lens, hidden, table, bound)
+        monkeypatch.setattr(proposer, "draft_steps", real_draft_steps)
+        assert torch.equal(got, expected)
+        if fits:  # the static buffers of the bucket, bounded as captured
+            assert bounds == [(runner.bucket_for(batch_size), 48 - steps)]
+        else:  # routed eagerly with the batch's own bound
+            assert bounds == [(batch_size, bound)]
+
+
+def test_capture_bound_is_checked(llm):
+    args = (llm.proposer, llm.draft_kv_caches, llm.head.config.hidden_size,
+            llm.scheduler_config.max_blocks_per_seq, BUCKETS)
+    for bad in (llm.max_model_len + 1, 3):  # above max_model_len; below k (4)
+        with pytest.raises(ValueError, match="max_seq_len"):
+            DraftLoopRunner(*args, use_graphs=False, max_seq_len=bad)
+    assert DraftLoopRunner(*args, use_graphs=False).max_seq_len == llm.max_model_len
+
+
+def test_sdpa_gather_bytes():
+    assert sdpa_gather_bytes(64, 4096, 8, 128) == 2 * 2 ** 30
+    assert sdpa_gather_bytes(64, 512, 8, 128) == 256 * 2 ** 20
+
+
 def test_engine_with_the_runner_is_lossless(llm):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     prompts = [[1, 5, 7], [1, 2], list(range(1, 20)), [4] * 9, [3, 3, 3]]
@@ -100,3 +165,6 @@ def test_graph_capture_refusal_reasons():
 def test_engine_logs_why_it_runs_eagerly(llm):
     assert llm.draft_graph_refusal is not None
     assert llm.proposer.graph_runner is None
+    # No graphs to capture here: the head shares the target's backend, and says why.
+    assert llm.draft_backend is llm.backend
+    assert "target's backend" in llm.draft_backend_reason

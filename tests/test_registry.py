@@ -11,7 +11,7 @@ import torch
 from rocdraft import envs
 from rocdraft.backends import registry
 from rocdraft.backends.base import (AttentionBackend, BackendCapabilities, Feature,
-                                    GraphCapture, MetadataBuilder)
+                                    GraphCapture, MetadataBuilder, target_matches)
 from rocdraft.backends.registry import ModelRequirements
 from rocdraft.backends.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from rocdraft.errors import BackendUnavailableError, RocdraftError, UnsupportedFeatureError
@@ -396,3 +396,188 @@ def test_config_problem_checks_in_order_and_none_means_unchecked():
     assert "block_size" in caps.config_problem(8, 80, torch.float32)
     assert "head_dim" in caps.config_problem(16, 80, torch.float32)
     assert "dtype" in caps.config_problem(16, 64, torch.float32)
+
+
+def test_config_problem_head_size_rule():
+    caps = make_caps(head_size_multiple=16, max_head_size=256)
+    for ok in (16, 48, 112, 256):
+        assert caps.config_problem(head_dim=ok) is None, ok
+    for bad in (8, 24, 264, 272, 0):
+        assert caps.config_problem(head_dim=bad) == \
+            f"head_dim {bad} is not a multiple of 16 up to 256"
+    # An explicit list is checked first, then the rule.
+    listed = make_caps(head_sizes=(64, 128), max_head_size=96)
+    assert "one of [64, 128]" in listed.config_problem(head_dim=80)
+    assert listed.config_problem(head_dim=64) is None
+    assert "up to 96" in listed.config_problem(head_dim=128)
+    with pytest.raises(ValueError, match="head_size_multiple"):
+        make_caps(head_size_multiple=0)
+
+
+# --- fp8 formats per platform and arch ------------------------------------------------------
+
+@pytest.mark.parametrize("target, kind, arch, ok", [
+    ("rocm", "rocm", "gfx942", True), ("rocm", "cuda", "sm_90", False),
+    ("gfx942", "rocm", "gfx942", True), ("gfx942", "rocm", "gfx90a", False),
+    ("gfx942", "rocm", None, False), ("sm_89+", "cuda", "sm_89", True),
+    ("sm_89+", "cuda", "sm_90", True), ("sm_89+", "cuda", "sm_100", True),
+    ("sm_89+", "cuda", "sm_80", False), ("sm_89+", "rocm", "gfx942", False),
+    ("sm_89+", "cuda", None, False), ("sm_90", "cuda", "sm_90", True),
+    ("sm_90", "cuda", "sm_100", False), ("cpu", "cpu", None, True)])
+def test_target_matches(target, kind, arch, ok):
+    assert target_matches(target, kind, arch) is ok
+
+
+def test_unknown_format_target_is_rejected():
+    with pytest.raises(ValueError, match="tpu"):
+        make_caps(kv_cache_formats=(("tpu", torch.float8_e4m3fn),))
+
+
+def test_fp8_formats_per_arch():
+    fnuz, fn = torch.float8_e4m3fnuz, torch.float8_e4m3fn
+    caps = make_caps(kv_cache_formats=(("gfx942", fnuz), ("sm_89+", fn)))
+    assert caps.has(Feature.FP8_KV_CACHE)
+    assert caps.kv_cache_dtypes_for("rocm", "gfx942") == (fnuz,)
+    assert caps.kv_cache_dtypes_for("cuda", "sm_90") == (fn,)
+    assert caps.kv_cache_dtypes_for("cuda", "sm_80") == ()
+    assert caps.kv_cache_dtypes_for(None) == (fnuz, fn)  # unchecked platform: any declared
+    assert caps.config_problem(dtype=torch.bfloat16, kv_cache_dtype=fnuz,
+                               platform_kind="rocm", arch="gfx942") is None
+    problem = caps.config_problem(dtype=torch.bfloat16, kv_cache_dtype=fnuz,
+                                  platform_kind="cuda", arch="sm_90")
+    assert problem == ("kv cache dtype float8_e4m3fnuz is not supported on cuda sm_90; "
+                       "declared fp8 formats: gfx942: float8_e4m3fnuz, sm_89+: float8_e4m3fn")
+    assert "arch unknown" in caps.config_problem(dtype=torch.bfloat16, kv_cache_dtype=fnuz,
+                                                 platform_kind="rocm")
+
+
+def test_selection_checks_the_fp8_format_of_the_arch(fake_registry):
+    fnuz = torch.float8_e4m3fnuz
+    fake_registry(make_backend("TRITON_ATTN", kv_cache_formats=(("gfx942", fnuz),)),
+                  make_backend("TORCH_SDPA", kv_cache_dtypes=(fnuz,)))
+    req = ModelRequirements(dtype=torch.float16, kv_cache_dtype=fnuz)
+    assert registry.select_backend("rocm", "TRITON_ATTN", req, arch="gfx942").backend.name \
+        == "TRITON_ATTN"
+    with pytest.raises(BackendUnavailableError, match="not supported on cuda sm_90"):
+        registry.select_backend("cuda", "TRITON_ATTN", req, arch="sm_90")
+    sel = registry.select_backend("cuda", req=req, arch="sm_90")
+    assert sel.backend.name == "TORCH_SDPA" and "sm_90" in sel.refused["TRITON_ATTN"]
+
+
+def test_real_triton_attn_fp8_formats():
+    caps = registry.get_backend("TRITON_ATTN").capabilities
+    fnuz, fn = torch.float8_e4m3fnuz, torch.float8_e4m3fn
+    assert caps.kv_cache_dtypes_for("rocm", "gfx942") == (fnuz,)
+    assert caps.kv_cache_dtypes_for("rocm", "gfx90a") == (fnuz,)
+    assert caps.kv_cache_dtypes_for("rocm", "gfx950") == (fn,)
+    assert caps.kv_cache_dtypes_for("cuda", "sm_90") == (fn,)  # no fp8e4b8 on NVIDIA
+    assert caps.kv_cache_dtypes_for("cuda", "sm_80") == ()  # fp8e4nv needs sm_89
+    assert set(caps.kv_cache_dtypes_for("cpu")) == {fn, fnuz}
+
+
+# --- the draft loop's backend ---------------------------------------------------------------
+
+def rocm_set(add, **caps_of):
+    """The real backends' shapes on an MI300: ROCM_AITER_FA captures UNIFORM_DECODE only,
+    TRITON_ATTN and TORCH_SDPA capture FULL; all available unless ``caps_of`` says otherwise."""
+    add(make_backend("ROCM_AITER_FA", platforms=("rocm",), block_size_multiple=16,
+                     **caps_of.get("ROCM_AITER_FA", {})),
+        make_backend("TRITON_ATTN", tree_drafting=True, graph_capture=GraphCapture.FULL,
+                     head_size_multiple=16, max_head_size=256,
+                     **caps_of.get("TRITON_ATTN", {})),
+        make_backend("TORCH_SDPA", tree_drafting=True, graph_capture=GraphCapture.FULL))
+
+
+def test_draft_loop_on_rocm_gets_triton_attn_with_a_reason(fake_registry, monkeypatch):
+    monkeypatch.delenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", raising=False)
+    rocm_set(fake_registry)
+    assert registry.select_backend("rocm").backend.name == "ROCM_AITER_FA"
+    sel = registry.select_draft_backend("rocm", "ROCM_AITER_FA", req=ModelRequirements(
+        block_size=16, head_dim=128, dtype=torch.bfloat16), num_speculative_tokens=4,
+        need_graphs=True, arch="gfx942")
+    assert sel.backend.name == "TRITON_ATTN"
+    assert "ROCM_AITER_FA" in sel.reason and "full_graph_capture" in sel.reason
+    assert "TRITON_ATTN is the first in the rocm priority list" in sel.reason
+    assert "full_graph_capture" in sel.refused["ROCM_AITER_FA"]
+
+
+def test_draft_loop_without_graphs_keeps_the_targets_backend(fake_registry, monkeypatch):
+    monkeypatch.delenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", raising=False)
+    rocm_set(fake_registry)
+    for k, graphs in ((4, False), (1, True)):  # enforce_eager, or no loop to capture
+        sel = registry.select_draft_backend("rocm", "ROCM_AITER_FA", num_speculative_tokens=k,
+                                            need_graphs=graphs)
+        assert sel.backend.name == "ROCM_AITER_FA" and "target's backend" in sel.reason
+
+
+def test_draft_loop_falls_past_an_unavailable_triton(fake_registry, monkeypatch):
+    monkeypatch.delenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", raising=False)
+    rocm_set(fake_registry)
+    monkeypatch.setattr(registry.get_backend("TRITON_ATTN"), "availability",
+                        classmethod(lambda cls: "triton cannot be imported"))
+    sel = registry.select_draft_backend("rocm", "ROCM_AITER_FA", num_speculative_tokens=3,
+                                        need_graphs=True)
+    assert sel.backend.name == "TORCH_SDPA"
+    assert sel.refused["TRITON_ATTN"] == "triton cannot be imported"
+
+
+def test_draft_loop_head_dim_off_the_rule_falls_back(fake_registry, monkeypatch):
+    monkeypatch.delenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", raising=False)
+    rocm_set(fake_registry)
+    sel = registry.select_draft_backend("rocm", "ROCM_AITER_FA",
+                                        req=ModelRequirements(head_dim=72),
+                                        num_speculative_tokens=3, need_graphs=True)
+    assert sel.backend.name == "TORCH_SDPA"
+    assert "multiple of 16" in sel.refused["TRITON_ATTN"]
+
+
+def test_draft_loop_when_nothing_captures_runs_the_target_eagerly(fake_registry, monkeypatch):
+    monkeypatch.delenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", raising=False)
+    fake_registry(make_backend("ROCM_AITER_FA", platforms=("rocm",)),
+                  make_backend("TRITON_ATTN", "no triton"), make_backend("TORCH_SDPA", "no"))
+    sel = registry.select_draft_backend("rocm", "ROCM_AITER_FA", num_speculative_tokens=3,
+                                        need_graphs=True)
+    assert sel.backend.name == "ROCM_AITER_FA" and "eagerly" in sel.reason
+
+
+def test_draft_override_wins(fake_registry, monkeypatch):
+    rocm_set(fake_registry)
+    monkeypatch.setenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", "ROCM_AITER_FA")
+    sel = registry.select_draft_backend("rocm", "ROCM_AITER_FA", num_speculative_tokens=4,
+                                        need_graphs=True)
+    assert sel.backend.name == "ROCM_AITER_FA"
+    assert sel.reason == "ROCDRAFT_DRAFT_ATTENTION_BACKEND=ROCM_AITER_FA"
+    # The argument wins over the env var.
+    sel = registry.select_draft_backend("rocm", "ROCM_AITER_FA", "TORCH_SDPA",
+                                        num_speculative_tokens=4, need_graphs=True)
+    assert sel.backend.name == "TORCH_SDPA" and sel.reason == "draft_attention_backend=TORCH_SDPA"
+
+
+def test_draft_default_on_cpu_is_the_targets(fake_registry, monkeypatch):
+    monkeypatch.delenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", raising=False)
+    rocm_set(fake_registry)
+    sel = registry.select_draft_backend("cpu", "TORCH_SDPA", num_speculative_tokens=4,
+                                        need_graphs=False)
+    assert sel.backend.name == "TORCH_SDPA" and "target's backend" in sel.reason
+
+
+def test_draft_env_var_with_an_unknown_name(fake_registry, monkeypatch):
+    rocm_set(fake_registry)
+    monkeypatch.setenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", "NO_SUCH_ATTN")
+    with pytest.raises(RocdraftError) as exc:
+        registry.select_draft_backend("rocm", "ROCM_AITER_FA", num_speculative_tokens=2)
+    msg = str(exc.value)
+    assert msg.startswith("ROCDRAFT_DRAFT_ATTENTION_BACKEND='NO_SUCH_ATTN' is not a "
+                          "registered attention backend")
+    for name in ("ROCM_AITER_FA", "TORCH_SDPA", "TRITON_ATTN"):
+        assert name in msg
+    with pytest.raises(RocdraftError, match="draft_attention_backend='NOPE'"):
+        registry.select_draft_backend("rocm", "ROCM_AITER_FA", "NOPE")
+
+
+def test_draft_override_that_cannot_run_here(fake_registry, monkeypatch):
+    rocm_set(fake_registry)
+    monkeypatch.setenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", "ROCM_AITER_FA")
+    with pytest.raises(BackendUnavailableError,
+                       match="ROCM_AITER_FA.*ROCDRAFT_DRAFT_ATTENTION_BACKEND.*platform cpu"):
+        registry.select_draft_backend("cpu", "TORCH_SDPA")

@@ -14,7 +14,8 @@ from rocdraft.backends.kv_cache import (FP8_DTYPES, NHD, PADDING_SLOT_ID, SPLIT_
                                         allocate_kv_cache, compute_slot_mapping,
                                         quantize_for_cache, read_kv_nhd, write_kv_reference)
 from rocdraft.backends.metadata import CommonAttentionMetadata
-from rocdraft.backends.torch_sdpa import TorchSDPABuilder, TorchSDPAImpl, TorchSDPAMetadata
+from rocdraft.backends.torch_sdpa import (TorchSDPABackend, TorchSDPABuilder, TorchSDPAImpl,
+                                          TorchSDPAMetadata)
 
 
 def naive_attention(q, k, v, q_positions, scale, allowed=None):
@@ -139,6 +140,16 @@ def test_mixed_batch_matches_naive(num_heads, num_kv_heads):
     out = case.run()
     assert out.shape == (sum(q for _, q in MIXED), num_heads, 16) and out.dtype == torch.float32
     torch.testing.assert_close(out, case.expected(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 48, 112, 264])
+def test_any_head_size(head_dim):
+    """TORCH_SDPA declares no head-size rule and computes any head size."""
+    caps = TorchSDPABackend.capabilities
+    assert caps.head_sizes is None and caps.head_size_rule() == "any"
+    assert caps.config_problem(head_dim=head_dim) is None
+    case = Case(MIXED[:3], head_dim=head_dim, seed=head_dim)
+    torch.testing.assert_close(case.run(), case.expected(), atol=1e-5, rtol=1e-5)
 
 
 def test_new_kv_is_written_to_the_cache():

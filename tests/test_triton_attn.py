@@ -18,7 +18,7 @@ from rocdraft.backends.kv_cache import (FP8_DTYPES, NHD, SPLIT_K, LayerKVCache,
                                         write_kv_reference)
 from rocdraft.backends.metadata import CommonAttentionMetadata, token_layout
 from rocdraft.backends.torch_sdpa import TorchSDPABuilder, TorchSDPAImpl
-from rocdraft.backends.triton_attn import (CPU_REASON, HEAD_SIZES, TritonAttnBackend,
+from rocdraft.backends.triton_attn import (CPU_REASON, FP8_FORMATS, TritonAttnBackend,
                                            TritonAttnImpl, TritonAttnMetadata)
 from rocdraft.backends.triton_kernels import catalog
 
@@ -38,15 +38,43 @@ def test_declared_capabilities():
     assert caps.multi_token_drafting and caps.tree_drafting
     assert caps.graph_capture is GraphCapture.FULL
     assert caps.kv_layouts == (NHD,) and caps.block_size_multiple == 1
-    assert caps.head_sizes == HEAD_SIZES
+    assert caps.head_sizes is None
+    assert (caps.head_size_multiple, caps.max_head_size) == (16, 256)
     assert caps.dtypes == (torch.float32, torch.float16, torch.bfloat16)
-    assert caps.kv_cache_dtypes == FP8_DTYPES
+    assert caps.kv_cache_dtypes == () and caps.kv_cache_formats == FP8_FORMATS
     assert caps.platforms == ("rocm", "cuda", "cpu")
     for feature in Feature:
         assert registry.supports("TRITON_ATTN", feature)
     assert caps.config_problem(block_size=5, head_dim=80, dtype=torch.bfloat16,
                                kv_cache_dtype=FP8_DTYPES[1]) is None
     assert "head_dim 24" in caps.config_problem(block_size=16, head_dim=24, dtype=torch.float16)
+
+
+def test_fnuz_is_not_declared_for_nvidia():
+    """Triton's NVIDIA backend has no fp8e4b8: an e4m3fnuz cache must be refused on sm_90."""
+    caps = TritonAttnBackend.capabilities
+    fnuz = torch.float8_e4m3fnuz
+    assert fnuz not in caps.kv_cache_dtypes_for("cuda", "sm_90")
+    assert "not supported on cuda sm_90" in caps.config_problem(
+        dtype=torch.bfloat16, kv_cache_dtype=fnuz, platform_kind="cuda", arch="sm_90")
+    assert caps.config_problem(dtype=torch.bfloat16, kv_cache_dtype=fnuz,
+                               platform_kind="rocm", arch="gfx942") is None
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 80, 112, 256])
+def test_head_sizes_by_rule_are_accepted(head_dim):
+    req = registry.ModelRequirements(block_size=16, head_dim=head_dim, dtype=torch.float16)
+    assert TritonAttnBackend.capabilities.config_problem(16, head_dim, torch.float16) is None
+    if TritonAttnBackend.availability() is None:
+        assert registry.select_backend(
+            "cpu" if DEVICE == "cpu" else "cuda", "TRITON_ATTN", req).backend \
+            is TritonAttnBackend
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 264, 272])
+def test_head_sizes_off_the_rule_are_refused_naming_it(head_dim):
+    problem = TritonAttnBackend.capabilities.config_problem(head_dim=head_dim)
+    assert problem == f"head_dim {head_dim} is not a multiple of 16 up to 256"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU availability rule")
@@ -115,6 +143,22 @@ def test_forward_matches_torch_sdpa(dtype, cache_dtype):
     tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
     real = common.num_actual_tokens
     torch.testing.assert_close(out[:real].float(), ref[:real].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [48, 112])
+def test_head_size_off_the_old_list_matches_torch_sdpa(head_dim):
+    """48 and 112 pad to 64 and 128 inside both kernels (masked): same cache bytes, same
+    attention as TORCH_SDPA."""
+    q, k, v, cache, common = _step([1, 3], [5, 2], torch.float32, torch.float32,
+                                   head_dim=head_dim, seed=head_dim)
+    ref_cache = LayerKVCache(cache.key.clone(), cache.value.clone(), NHD, cache.k_scale,
+                             cache.v_scale)
+    args = (4, 2, head_dim, head_dim ** -0.5)
+    ref = TorchSDPAImpl(*args).forward(q, k, v, ref_cache, TorchSDPABuilder().build(common))
+    out = TritonAttnImpl(*args).forward(q, k, v, cache, TritonAttnMetadata(common))
+    assert torch.equal(cache.key, ref_cache.key) and torch.equal(cache.value, ref_cache.value)
+    real = common.num_actual_tokens
+    torch.testing.assert_close(out[:real], ref[:real], atol=1e-4, rtol=1e-4)
 
 
 def test_forward_rejects_split_k_cache():

@@ -11,7 +11,7 @@ from rocdraft.backends.kv_cache import (FP8_DTYPES, SPLIT_K, allocate_kv_cache,
                                         write_kv_reference)
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.torch_sdpa import TorchSDPABuilder, paged_attention_reference
-from rocdraft.backends.triton_attn import HEAD_SIZES
+from rocdraft.backends.triton_attn import HEAD_SIZE_MULTIPLE, MAX_HEAD_SIZE
 from rocdraft.backends.triton_kernels.unified_attention import launch_config, unified_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,8 +147,12 @@ def test_non_causal():
     assert_matches_reference(query, cache, common.with_updates(causal=False))
 
 
-@pytest.mark.parametrize("head_dim", HEAD_SIZES)
-def test_every_declared_head_size(head_dim):
+# The rule's ends, powers of two and sizes the kernels pad (48 -> 64, 80/96/112 -> 128).
+RULE_HEAD_SIZES = (HEAD_SIZE_MULTIPLE, 32, 48, 64, 80, 96, 112, 128, MAX_HEAD_SIZE)
+
+
+@pytest.mark.parametrize("head_dim", RULE_HEAD_SIZES)
+def test_head_sizes_of_the_declared_rule(head_dim):
     query, cache, common = make_batch([1, 3], [5, 2], num_heads=2, num_kv_heads=1,
                                       head_dim=head_dim, seed=5)
     assert_matches_reference(query, cache, common, scale=head_dim ** -0.5)

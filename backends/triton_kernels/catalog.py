@@ -2,14 +2,20 @@
 checks (``scripts/check_kernels_compile.py``) on GPU targets from a machine without a GPU.
 
 An entry names one launchable ``@triton.jit`` kernel, the argument types and constexprs of one
-representative launch, and the ``@triton.jit`` helpers it calls. ``uncatalogued_kernels()``
-parses the kernel sources and lists any jit function no entry covers; a test and the compile
-script both fail on it, so a new kernel cannot be forgotten.
+representative launch, the ``@triton.jit`` helpers it calls and the targets it is compiled for.
+``uncatalogued_kernels()`` parses the kernel sources and lists any jit function no entry
+covers; a test and the compile script both fail on it, so a new kernel cannot be forgotten.
 
-What a compile check proves: the kernel lowers to AMDGCN (an hsaco) for gfx942/gfx90a and to
-PTX (a cubin) for sm_90 with these types and tile sizes. It does not prove the numbers are right
-(the interpreter tests do that) nor that it runs fast or within the hardware's resources at run
-time (only a run on the hardware does).
+The dtype matrix comes from TRITON_ATTN's declarations, not from a list kept here: for every
+target, every (dtype, KV-cache dtype) pair the backend declares there (each dtype with a cache
+of its own dtype, and with every fp8 format declared for that arch) gets a KV-write and an
+attention entry, and no other pair does. A few shape variants (spec mask, head_dim 256, the
+split-K layout) are compiled once per target on top.
+
+What a compile check proves: the kernel lowers to AMDGCN (an hsaco) for gfx942/gfx90a/gfx950
+and to PTX (a cubin) for sm_90 with these types and tile sizes. It does not prove the numbers
+are right (the interpreter tests do that) nor that it runs fast or within the hardware's
+resources at run time (only a run on the hardware does).
 """
 from __future__ import annotations
 
@@ -17,15 +23,41 @@ import ast
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from rocdraft.backends.kv_cache import FP8_DTYPES
+from rocdraft.backends.triton_attn import TritonAttnBackend
 from rocdraft.backends.triton_kernels import draft_step, kv_write, unified_attention
 
 KERNEL_DIR = Path(__file__).resolve().parent
-# (backend, arch, warp size) of every compile-check target.
-TARGETS: tuple[tuple[str, int | str, int], ...] = (
-    ("hip", "gfx942", 64), ("hip", "gfx90a", 64), ("cuda", 90, 32))
+
+
+class CompileTarget(NamedTuple):
+    backend: str  # Triton backend: "hip" | "cuda"
+    arch: int | str  # GPUTarget arch: "gfx942" or a compute capability (90)
+    warp_size: int
+
+    @property
+    def name(self) -> str:
+        """The arch as rocdraft.platform names it: "gfx942", "sm_90"."""
+        return self.arch if self.backend == "hip" else f"sm_{self.arch}"
+
+    @property
+    def platform_kind(self) -> str:
+        return "rocm" if self.backend == "hip" else "cuda"
+
+
+# Every compile-check target: MI300 (gfx942), MI200 (gfx90a), MI350 (gfx950), H100/H200 (sm_90).
+TARGETS: tuple[CompileTarget, ...] = (
+    CompileTarget("hip", "gfx942", 64), CompileTarget("hip", "gfx90a", 64),
+    CompileTarget("hip", "gfx950", 64), CompileTarget("cuda", 90, 32))
+ALL_TARGETS = tuple(t.name for t in TARGETS)
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8"}
+SHORT_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+               torch.float8_e4m3fn: "fp8e4m3fn", torch.float8_e4m3fnuz: "fp8e4m3fnuz"}
 
 
 @dataclass(frozen=True)
@@ -35,7 +67,9 @@ class KernelSpec:
     signature: tuple[tuple[str, str], ...]  # (arg, triton type) in argument order
     constexprs: tuple[tuple[str, object], ...]
     helpers: tuple[str, ...] = ()  # @triton.jit helpers the kernel calls
-    backends: tuple[str, ...] = ("hip", "cuda")  # target backends it is compiled for
+    targets: tuple[str, ...] = ALL_TARGETS  # CompileTarget.name of every target it is built for
+    # (dtype, KV-cache dtype) of a declared-pair entry; None for shape variants.
+    dtype_pair: tuple[torch.dtype, torch.dtype] | None = None
 
     @property
     def kernel_name(self) -> str:
@@ -53,8 +87,8 @@ def _is_constexpr(annotation) -> bool:
 
 
 def _spec(name: str, kernel, types: dict[str, str], constexprs: dict[str, object],
-          helpers: tuple[str, ...] = (), backends: tuple[str, ...] = ("hip", "cuda")
-          ) -> KernelSpec:
+          helpers: tuple[str, ...] = (), targets: tuple[str, ...] = ALL_TARGETS,
+          dtype_pair: tuple[torch.dtype, torch.dtype] | None = None) -> KernelSpec:
     """Signature in argument order: constexprs typed "constexpr", ``types`` for pointers and
     floats, "i32" for every other (integer) argument. Raises ValueError when ``constexprs`` or
     ``types`` disagree with the kernel's parameters."""
@@ -67,11 +101,15 @@ def _spec(name: str, kernel, types: dict[str, str], constexprs: dict[str, object
     if unknown or untyped_ptrs:
         raise ValueError(f"{name}: unknown args {sorted(unknown)}, untyped pointers {untyped_ptrs}")
     signature = tuple((n, "constexpr" if n in declared else types.get(n, "i32")) for n in params)
-    return KernelSpec(name, kernel, signature, tuple(constexprs.items()), helpers, backends)
+    return KernelSpec(name, kernel, signature, tuple(constexprs.items()), helpers, targets,
+                      dtype_pair)
 
 
-def _kv_write(variant: str, src: str, cache: str, layout_splits: tuple[int, int, int, int],
-              kind: kv_write.CacheKind, backends: tuple[str, ...]) -> KernelSpec:
+def _kv_write(variant: str, dtype: torch.dtype, cache_dtype: torch.dtype,
+              layout_splits: tuple[int, int, int, int], targets: tuple[str, ...],
+              dtype_pair: tuple[torch.dtype, torch.dtype] | None = None) -> KernelSpec:
+    src, cache = TRITON_TYPES[dtype], TRITON_TYPES[cache_dtype]
+    kind = kv_write.cache_kind(cache_dtype)
     key_off, key_dim, value_off, value_dim = layout_splits
     types = {"key_ptr": f"*{src}", "value_ptr": f"*{src}", "key_cache_ptr": f"*{cache}",
              "value_cache_ptr": f"*{cache}", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
@@ -83,12 +121,16 @@ def _kv_write(variant: str, src: str, cache: str, layout_splits: tuple[int, int,
                   "FP8_MIN_EXP": kind.fp8_min_exp, "BLOCK_T": 4, "BLOCK_H": 8,
                   "BLOCK_D": 128}
     return _spec(f"kv_write[{variant}]", kv_write.kv_write_kernel, types, constexprs,
-                 ("_store_rows", "_round_to_bf16_grid", "_round_to_fp8_grid"), backends)
+                 ("_store_rows", "_round_to_bf16_grid", "_round_to_fp8_grid"), targets,
+                 dtype_pair)
 
 
-def _attention(variant: str, query: str, cache: str, group: int, block_q: int, block_m: int,
-               spec_mask: bool, fp8: bool, backends: tuple[str, ...],
-               block_d: int = 128) -> KernelSpec:
+def _attention(variant: str, dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
+               block_q: int, block_m: int, spec_mask: bool, targets: tuple[str, ...],
+               block_d: int = 128, dtype_pair: tuple[torch.dtype, torch.dtype] | None = None
+               ) -> KernelSpec:
+    query, cache = TRITON_TYPES[dtype], TRITON_TYPES[cache_dtype]
+    fp8 = cache_dtype in FP8_DTYPES
     types = {"query_ptr": f"*{query}", "key_cache_ptr": f"*{cache}",
              "value_cache_ptr": f"*{cache}", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
              "out_ptr": f"*{query}", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -97,34 +139,58 @@ def _attention(variant: str, query: str, cache: str, group: int, block_q: int, b
                   "TILE": unified_attention.TILE_N, "CAUSAL": True, "HAS_SPEC_MASK": spec_mask,
                   "HAS_K_SCALE": fp8, "HAS_V_SCALE": fp8, "UPCAST_DOT": query == "fp32"}
     return _spec(f"unified_attention[{variant}]", unified_attention.unified_attention_kernel,
-                 types, constexprs, ("_find_request",), backends)
+                 types, constexprs, ("_find_request",), targets, dtype_pair)
+
+
+def declared_pairs(target: CompileTarget) -> tuple[tuple[torch.dtype, torch.dtype], ...]:
+    """(dtype, KV-cache dtype) pairs TRITON_ATTN declares for ``target``: each dtype with a
+    cache of its own dtype and with every fp8 format declared for the target's arch."""
+    caps = TritonAttnBackend.capabilities
+    fp8 = caps.kv_cache_dtypes_for(target.platform_kind, target.name)
+    return tuple((dtype, cache) for dtype in caps.dtypes for cache in (dtype, *fp8))
+
+
+def _declared_pair_entries() -> list[KernelSpec]:
+    """One KV-write and one attention entry per declared pair, built for every target that
+    declares it (decode tiling with GQA 4: the launch every draft step makes)."""
+    targets_of: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
+    for target in TARGETS:
+        for pair in declared_pairs(target):
+            targets_of.setdefault(pair, []).append(target.name)
+    entries = []
+    nhd = (1, 1, 1, 1)  # (key off, key dim, value off, value dim) splits
+    for (dtype, cache), targets in targets_of.items():
+        label, where = f"{SHORT_NAMES[dtype]}->{SHORT_NAMES[cache]}", tuple(targets)
+        entries.append(_kv_write(f"{label},NHD", dtype, cache, nhd, where, (dtype, cache)))
+        entries.append(_attention(f"{label},decode,gqa4", dtype, cache, 4, 4, 16, False,
+                                  where, dtype_pair=(dtype, cache)))
+    return entries
 
 
 def kernel_catalog() -> tuple[KernelSpec, ...]:
-    """Every kernel entry (several variants of a kernel where dtypes change the code)."""
-    kind = kv_write.cache_kind
-    nhd, split_k_bf16 = (1, 1, 1, 1), (1, 8, 8, 1)  # (key off, key dim, value off, value dim)
+    """Every kernel entry: the declared (dtype, KV-cache dtype) pairs, then shape variants."""
+    split_k_bf16 = (1, 8, 8, 1)  # x = 8 elements of bf16 per 16 bytes
     return (
-        _kv_write("fp16,NHD", "fp16", "fp16", nhd, kind(torch.float16), ("hip", "cuda")),
-        _kv_write("fp32->bf16,SPLIT_K", "fp32", "bf16", split_k_bf16, kind(torch.bfloat16),
-                  ("hip", "cuda")),
-        _kv_write("bf16->fp8e4m3fnuz,NHD", "bf16", "fp8e4b8", nhd, kind(torch.float8_e4m3fnuz),
-                  ("hip",)),
-        _kv_write("bf16->fp8e4m3fn,NHD", "bf16", "fp8e4nv", nhd, kind(torch.float8_e4m3fn),
-                  ("cuda",)),
-        _attention("fp16,decode,gqa4", "fp16", "fp16", 4, 4, 16, False, False, ("hip", "cuda")),
-        _attention("bf16,prefill,gqa4,spec_mask", "bf16", "bf16", 4, 16, 64, True, False,
-                   ("hip", "cuda")),
-        _attention("fp16,prefill,head_dim256", "fp16", "fp16", 1, 64, 64, False, False,
-                   ("hip", "cuda"), block_d=256),
-        _attention("fp32", "fp32", "fp32", 1, 16, 16, False, False, ("hip", "cuda")),
-        _attention("bf16,fp8e4m3fnuz cache", "bf16", "fp8e4b8", 8, 2, 16, False, True, ("hip",)),
-        _attention("fp16,fp8e4m3fn cache", "fp16", "fp8e4nv", 8, 2, 16, False, True, ("cuda",)),
+        *_declared_pair_entries(),
+        _kv_write("bf16,SPLIT_K", torch.bfloat16, torch.bfloat16, split_k_bf16, ALL_TARGETS),
+        _attention("bf16,prefill,gqa4,spec_mask", torch.bfloat16, torch.bfloat16, 4, 16, 64,
+                   True, ALL_TARGETS),
+        _attention("fp16,prefill,head_dim256", torch.float16, torch.float16, 1, 64, 64, False,
+                   ALL_TARGETS, block_d=256),
         _spec("advance_draft_step", draft_step.advance_draft_step_kernel,
               {"positions_ptr": "*i64", "seq_lens_ptr": "*i32", "block_table_ptr": "*i32",
                "clamped_positions_ptr": "*i64", "slot_mapping_ptr": "*i64"},
               {"BLOCK": draft_step.BLOCK_ROWS}),
     )
+
+
+def compile_plan(catalog: tuple[KernelSpec, ...] | None = None,
+                 targets: tuple[CompileTarget, ...] = TARGETS
+                 ) -> list[tuple[KernelSpec, CompileTarget]]:
+    """Every (entry, target) the compile check builds, in catalog order."""
+    catalog = kernel_catalog() if catalog is None else catalog
+    return [(spec, target) for spec in catalog for target in targets
+            if target.name in spec.targets]
 
 
 def jit_functions_in_sources(directory: Path = KERNEL_DIR) -> dict[str, str]:
