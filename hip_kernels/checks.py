@@ -13,6 +13,12 @@ KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KV_CACHE_DTYPES = KV_INPUT_DTYPES + FP8_DTYPES
 
 
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Innermost stride 1, or empty: an empty tensor's strides carry no meaning (torch.where
+    gives a [0, 1] tensor strides (1, 0)) and no kernel reads it."""
+    return t.numel() == 0 or t.stride(-1) == 1
+
+
 def _check_vector(name: str, t: torch.Tensor, dtype: torch.dtype, size: int | None = None,
                   device: torch.device | None = None) -> None:
     """``t`` must be a contiguous 1-D ``dtype`` tensor (of ``size`` entries, on ``device``)."""
@@ -37,7 +43,7 @@ def check_write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, head_dim], "
                          f"got {tuple(key.shape)} and {tuple(value.shape)}")
-    if key.stride(2) != 1 or value.stride(2) != 1:
+    if not (_rows_contiguous(key) and _rows_contiguous(value)):
         raise ValueError(f"key/value head_dim must be contiguous, got strides {key.stride()} "
                          f"and {value.stride()}")
     device = key.device
@@ -94,7 +100,7 @@ def check_advance_draft_step(positions: torch.Tensor, seq_lens: torch.Tensor,
     _check_vector("slot_mapping", slot_mapping, torch.int64, batch_size, device)
     if (block_table.dim() != 2 or block_table.dtype != torch.int32
             or block_table.shape[0] < batch_size or block_table.shape[1] < 1
-            or block_table.stride(1) != 1 or block_table.device != device):
+            or not _rows_contiguous(block_table) or block_table.device != device):
         raise ValueError(f"block_table must be int32 [>= {batch_size}, >= 1] with contiguous "
                          f"rows on {device}, got {tuple(block_table.shape)} {block_table.dtype} "
                          f"strides {block_table.stride()} on {block_table.device}")
@@ -110,7 +116,7 @@ def check_prepare_padded_drafting(sampled: torch.Tensor, discard_request: torch.
     """sampled [batch_size, k + 1] int64 (rows may be strided), discard_request [batch_size]
     bool, backup_next_token_ids [batch_size] int64, query_start_loc [batch_size + 1] int32,
     num_draft_tokens [batch_size] int32."""
-    if sampled.dim() != 2 or sampled.dtype != torch.int64 or sampled.stride(1) != 1:
+    if sampled.dim() != 2 or sampled.dtype != torch.int64 or not _rows_contiguous(sampled):
         raise ValueError(f"sampled must be int64 [batch_size, k + 1] with contiguous rows, got "
                          f"{tuple(sampled.shape)} {sampled.dtype} strides {sampled.stride()}")
     batch_size, device = sampled.shape[0], sampled.device

@@ -5,13 +5,27 @@ CUDA) kernel, elsewhere the torch reference (see ops.py); results are identical.
 sync-free and allocate nothing except ``prepare_padded_drafting_hip``'s four outputs, so they
 are safe inside graph capture once the extension is loaded (call ``hip_available()`` before
 capturing: the first call may build the extension).
+
+A launch that finds no kernel binary for the GPU (an extension built for other archs: "invalid
+device function" / "no kernel image") does not raise: the extension is dropped for the rest of
+the process with a logged reason (``hip_unavailable_reason()``), the call is redone by the
+torch reference, and ``hip_available()`` is False from then on, so callers take their Triton or
+torch paths.
 """
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.hip_kernels import build, ops
+
+log = logging.getLogger(__name__)
+NO_BINARY_MARKERS = ("invalid device function", "no kernel image")
+Result = TypeVar("Result")
 
 
 def hip_available() -> bool:
@@ -25,13 +39,35 @@ def hip_unavailable_reason() -> str | None:
     return build.gpu_unavailable_reason()
 
 
+def is_missing_binary(error: BaseException) -> bool:
+    """True when ``error`` says the GPU has no code object in the extension."""
+    message = str(error).lower()
+    return any(marker in message for marker in NO_BINARY_MARKERS)
+
+
+def _falling_back(launch: Callable[[], Result]) -> Result:
+    """``launch()``; on a missing-binary error, disable the extension (logged once) and redo
+    it, which then runs the torch reference (a launch that failed wrote nothing)."""
+    try:
+        return launch()
+    except RuntimeError as error:
+        if not is_missing_binary(error):
+            raise
+        first_line = str(error).strip().splitlines()[0]
+        reason = (f"the GPU extension (built for {', '.join(build.gpu_archs()) or '?'}) has no "
+                  f"kernel for this GPU: {first_line}; set PYTORCH_ROCM_ARCH to its arch")
+        build.disable_gpu_extension(reason)
+        log.warning("rocdraft: %s; using the Triton/torch paths from now on", reason)
+        return launch()
+
+
 def write_kv_hip(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
                  slot_mapping: torch.Tensor) -> None:
     """Write key/value [>= num_tokens, num_kv_heads, head_dim] to ``cache`` at slot_mapping
     [num_tokens] int64 (slots < 0 skipped), quantising for fp8 caches with the cache's scales.
     Same contract as backends.kv_cache.write_kv_reference."""
-    ops.write_kv(key, value, cache.key, cache.value, slot_mapping, cache.k_scale, cache.v_scale,
-                 cache.layout)
+    _falling_back(lambda: ops.write_kv(key, value, cache.key, cache.value, slot_mapping,
+                                       cache.k_scale, cache.v_scale, cache.layout))
 
 
 def advance_draft_step_hip_(positions: torch.Tensor, seq_lens: torch.Tensor,
@@ -43,8 +79,9 @@ def advance_draft_step_hip_(positions: torch.Tensor, seq_lens: torch.Tensor,
     block_table [>= batch_size, max_blocks_per_seq] int32. Equals index_math.advance_draft_step
     (its new_positions, clamped, slots, new_seq_lens land in positions, clamped_positions_out,
     slot_mapping_out, seq_lens)."""
-    ops.advance_draft_step(positions, seq_lens, block_table, clamped_positions_out,
-                           slot_mapping_out, block_size, max_model_len)
+    _falling_back(lambda: ops.advance_draft_step(positions, seq_lens, block_table,
+                                                 clamped_positions_out, slot_mapping_out,
+                                                 block_size, max_model_len))
 
 
 def prepare_padded_drafting_hip(sampled: torch.Tensor, discard_request: torch.Tensor,
@@ -58,5 +95,6 @@ def prepare_padded_drafting_hip(sampled: torch.Tensor, discard_request: torch.Te
     -> (next_token_ids [batch_size] int64, valid_sampled_count [batch_size] int32,
         token_indices_to_sample [batch_size] int64, num_rejected [batch_size] int64):
     index_math.prepare_next_token_ids_padded then prepare_inputs_padded, in one kernel."""
-    return ops.prepare_padded_drafting(sampled, discard_request, backup_next_token_ids,
-                                       vocab_size, query_start_loc, num_draft_tokens)
+    return _falling_back(lambda: ops.prepare_padded_drafting(
+        sampled, discard_request, backup_next_token_ids, vocab_size, query_start_loc,
+        num_draft_tokens))

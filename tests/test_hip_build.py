@@ -3,7 +3,9 @@
 What these tests prove: every .hip source compiles to gfx942 (MI300) and gfx90a (MI200) code
 objects with Debian's clang-19 and to sm_90 with nvcc through the compatibility header; the
 serial launcher visits every (block, thread) of a 3-D launch exactly once with the right
-blockDim/gridDim; build folders change whenever a source changes. What they do not prove:
+blockDim/gridDim; build folders change whenever a source or the arch list changes; the arch
+list is the visible devices' archs plus PYTORCH_ROCM_ARCH (fake device properties) and the
+ROCm build passes each as --offload-arch. What they do not prove:
 that the code objects load and run on a GPU, or that the JIT GPU build inside ROCm/CUDA
 torch succeeds (only a GPU machine proves those; see hip_kernels/README.md).
 """
@@ -14,8 +16,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from rocdraft.hip_kernels import build
 
@@ -106,3 +110,79 @@ def test_build_folder_follows_the_sources(tmp_path, monkeypatch):
     assert build.build_directory(build.CPU_SHIM) != before
     with pytest.raises(ValueError, match="unknown extension kind 'sycl'"):
         build.build_directory("sycl")
+
+
+# ---------------------------------------------------------------------------- GPU arch list
+
+def props(name: str) -> SimpleNamespace:
+    """A stand-in for torch.cuda.get_device_properties(i) on ROCm."""
+    return SimpleNamespace(gcnArchName=name)
+
+
+@pytest.mark.parametrize("devices,env,expected", [
+    (["gfx90a:sramecc+:xnack-"], None, ("gfx90a",)),
+    (["gfx950:sramecc+:xnack-", "gfx950:sramecc+:xnack-"], "", ("gfx950",)),
+    (["gfx1100"], "gfx942", ("gfx1100", "gfx942")),
+    (["gfx90a:xnack-", "gfx942:sramecc+:xnack-"], "gfx942;gfx90a", ("gfx90a", "gfx942")),
+    ([], "gfx90a gfx942; gfx1100", ("gfx90a", "gfx942", "gfx1100")),
+    ([], None, ("gfx942",)),
+])
+def test_rocm_archs_are_the_visible_devices_plus_pytorch_rocm_arch(devices, env, expected):
+    assert build.rocm_archs([props(name) for name in devices], env) == expected
+
+
+def test_rocm_archs_skip_devices_without_an_arch_name():
+    assert build.rocm_archs([SimpleNamespace(), props("")], "gfx90a") == ("gfx90a",)
+
+
+def test_cuda_archs_follow_torch_cuda_arch_list_else_the_devices():
+    assert build.cuda_archs([(9, 0), (9, 0), (8, 0)], None) == ("sm_90", "sm_80")
+    assert build.cuda_archs([(9, 0)], "native") == ("sm_90",)
+    assert build.cuda_archs([(9, 0)], "8.0;9.0+PTX") == ("8.0", "9.0+PTX")
+
+
+def fake_rocm_torch(monkeypatch, names: list[str]) -> None:
+    """Make torch look like ROCm torch with these visible devices."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props(names[i]))
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+
+
+def test_gpu_archs_read_the_devices_and_the_environment(monkeypatch):
+    if not torch.cuda.is_available():
+        assert build.gpu_archs({}) == ()
+    fake_rocm_torch(monkeypatch, ["gfx90a:sramecc+:xnack-"])
+    assert build.gpu_archs({}) == ("gfx90a",)
+    assert build.gpu_archs({"PYTORCH_ROCM_ARCH": "gfx942"}) == ("gfx90a", "gfx942")
+
+
+def test_gpu_build_directory_is_keyed_on_the_arch_list():
+    plain = build.build_directory(build.GPU_EXT)
+    mi200 = build.build_directory(build.GPU_EXT, ("gfx90a",))
+    both = build.build_directory(build.GPU_EXT, ("gfx90a", "gfx942"))
+    assert len({plain, mi200, both, build.build_directory(build.GPU_EXT, ("gfx942",))}) == 4
+    assert both.name == plain.name + "-gfx90a_gfx942"
+    assert build.build_directory(build.GPU_EXT, ("9.0+PTX",)).name.endswith("-9.0-PTX")
+
+
+def test_rocm_build_targets_every_visible_arch(monkeypatch):
+    """On a gfx90a machine the ROCm build compiles for gfx90a (not only gfx942), into a folder
+    of its own."""
+    fake_rocm_torch(monkeypatch, ["gfx90a:sramecc+:xnack-", "gfx90a:sramecc+:xnack-"])
+    monkeypatch.setenv("PYTORCH_ROCM_ARCH", "gfx942")
+    monkeypatch.setenv("ROCDRAFT_HIP_KERNELS", "1")
+    monkeypatch.setattr(build, "_LOADED", {})
+    calls = []
+
+    def fake_load(kind, sources, cflags, cuda_flags, verbose, archs=()):
+        calls.append((kind, cuda_flags, build.build_directory(kind, archs)))
+        return SimpleNamespace()
+
+    monkeypatch.setattr(build, "_load", fake_load)
+    assert build.load_gpu_extension() is not None
+    [(kind, cuda_flags, directory)] = calls
+    assert kind == build.GPU_EXT
+    assert [f for f in cuda_flags if "offload-arch" in f] == ["--offload-arch=gfx90a",
+                                                              "--offload-arch=gfx942"]
+    assert directory.name.endswith("-gfx90a_gfx942")

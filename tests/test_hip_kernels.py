@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rocdraft.backends.kv_cache import (NHD, SPLIT_K, LayerKVCache, kv_cache_shapes, split_k_x,
@@ -310,6 +310,8 @@ def shim_padded_drafting(shim, sampled, discard, backup, vocab_size, qsl, num_dr
 @HYPOTHESIS
 @given(batch_size=st.integers(0, 24), k=st.integers(0, 6), vocab_size=st.integers(1, 50),
        realistic=st.booleans(), strided=st.booleans(), seed=st.integers(0, 2**31))
+# An empty batch: torch.where gives sampled [0, 1] strides (1, 0), which must be accepted.
+@example(batch_size=0, k=0, vocab_size=1, realistic=True, strided=False, seed=0)
 def test_prepare_padded_drafting_matches_index_math(shim, batch_size, k, vocab_size, realistic,
                                                     strided, seed):
     """Fused kernel == prepare_next_token_ids_padded then prepare_inputs_padded, for accepted

@@ -107,6 +107,28 @@ def test_prepare_padded_drafting_hip_equals_index_math(implementation):
         assert g.dtype == want.dtype and torch.equal(g, want)
 
 
+def test_empty_batch_is_valid_whatever_its_strides(implementation):
+    """An empty batch launches nothing; its strides carry no meaning (torch.where gives
+    sampled [0, 1] strides (1, 0), an empty slice of a block table may have any strides)."""
+    accepted = torch.ones(0, 1, dtype=torch.int64)
+    sampled = torch.where(torch.arange(1) < accepted, torch.zeros(0, 1, dtype=torch.int64), -1)
+    assert sampled.stride() == (1, 0)
+    none_i32, none_i64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+    got = dispatch.prepare_padded_drafting_hip(sampled, torch.zeros(0, dtype=torch.bool),
+                                               none_i64, 8, torch.zeros(1, dtype=torch.int32),
+                                               none_i32)
+    assert [(t.shape, t.dtype) for t in got] == [((0,), torch.int64), ((0,), torch.int32),
+                                                  ((0,), torch.int64), ((0,), torch.int64)]
+    block_table = torch.zeros(1, 1, dtype=torch.int32).expand(0, 3)
+    dispatch.advance_draft_step_hip_(none_i64.clone(), none_i32.clone(), block_table,
+                                     none_i64.clone(), none_i64.clone(), 4, 10)
+    key, value, cache, _ = write_kv_args(NHD, torch.float16, per_head=False)
+    empty_key = torch.zeros(1, 2, 1, dtype=torch.float16).expand(0, 2, 16)
+    before = clone_cache(cache)
+    dispatch.write_kv_hip(empty_key, empty_key, cache, none_i64)
+    assert torch.equal(cache.key, before.key) and torch.equal(cache.value, before.value)
+
+
 def test_opcheck_all_ops(implementation):
     """Schema (declared mutations), fake impls, AOT dispatch with dynamic shapes."""
     for dtype in (torch.bfloat16, FNUZ):
@@ -208,7 +230,79 @@ def test_no_gpu_extension_on_cpu_torch(monkeypatch):
     assert dispatch.hip_available() is False
     assert "no GPU" in dispatch.hip_unavailable_reason()
     monkeypatch.setenv("ROCDRAFT_HIP_KERNELS", "0")
-    assert dispatch.hip_unavailable_reason() == "ROCDRAFT_HIP_KERNELS=0"
+    assert dispatch.hip_unavailable_reason() == "ROCDRAFT_HIP_KERNELS='0': switched off"
+    monkeypatch.setenv("ROCDRAFT_HIP_KERNELS", "off")
+    assert dispatch.hip_unavailable_reason() == "ROCDRAFT_HIP_KERNELS='off': switched off"
+
+
+class NoBinaryKernels:
+    """A GPU extension built for other archs: every launch fails as the bindings report it."""
+
+    def __init__(self, message: str):
+        self.message, self.launches = message, 0
+
+    def __getattr__(self, op):
+        def launch(*args):
+            self.launches += 1
+            raise RuntimeError(f"{op}: {self.message}")
+        return launch
+
+
+def extension_for_other_archs(monkeypatch, message: str) -> NoBinaryKernels:
+    """Pretend ROCm torch with a loaded GPU extension whose launches find no kernel binary."""
+    kernels = NoBinaryKernels(message)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    monkeypatch.setattr(build, "gpu_archs", lambda environ=None: ("gfx942",))
+    monkeypatch.setattr(build, "_LOADED", {build.GPU_EXT: kernels})
+    monkeypatch.setattr(ops, "kernels_for", lambda device: build.load_gpu_extension())
+    return kernels
+
+
+def test_launch_without_a_binary_for_the_gpu_falls_back_once(monkeypatch, caplog):
+    """An extension built for gfx942 on a gfx90a GPU: the first launch's "no kernel image"
+    disables it with a logged reason and the torch reference answers; later calls never try
+    the extension again and hip_available() turns False, so callers take Triton/torch."""
+    kernels = extension_for_other_archs(monkeypatch, (
+        "no kernel image for this GPU (error 98: invalid device function / no kernel image); "
+        "the extension was built for other archs"))
+    assert dispatch.hip_available()
+    sampled, discard, backup, vocab_size, qsl, num_draft = padded_args()
+    next_ids, count = index_math.prepare_next_token_ids_padded(sampled, discard, backup,
+                                                               vocab_size)
+    indices, rejected = index_math.prepare_inputs_padded(qsl, num_draft, count)
+    with caplog.at_level("WARNING", logger=dispatch.__name__):
+        for _ in range(2):
+            got = dispatch.prepare_padded_drafting_hip(*padded_args())
+            for g, want in zip(got, (next_ids, count, indices, rejected)):
+                assert torch.equal(g, want)
+        key, value, cache, slots = write_kv_args(NHD, torch.float16, per_head=False)
+        expected = clone_cache(cache)
+        write_kv_reference(key, value, expected, slots)
+        dispatch.write_kv_hip(key, value, cache, slots)
+        assert torch.equal(cache.key, expected.key)
+    assert kernels.launches == 1
+    assert not dispatch.hip_available()
+    assert "no kernel for this GPU" in dispatch.hip_unavailable_reason()
+    assert "gfx942" in dispatch.hip_unavailable_reason()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "Triton/torch" in warnings[0].getMessage()
+
+
+def test_other_launch_errors_still_raise(monkeypatch):
+    extension_for_other_archs(monkeypatch, "kernel launch failed with error 700")
+    with pytest.raises(RuntimeError, match="error 700"):
+        dispatch.prepare_padded_drafting_hip(*padded_args())
+    assert dispatch.hip_available()
+
+
+def test_the_bindings_report_a_missing_binary_in_words_dispatch_matches():
+    """The message of torch_ops.h's check_launch for error 98 / 209 is what dispatch matches."""
+    source = (build.CSRC / "torch_ops.h").read_text(encoding="utf-8")
+    assert "kInvalidDeviceFunction = 98" in source and "kNoBinaryForGpu = 209" in source
+    assert all(marker in source for marker in dispatch.NO_BINARY_MARKERS)
+    assert dispatch.is_missing_binary(RuntimeError("HIP error: invalid device function"))
+    assert not dispatch.is_missing_binary(RuntimeError("out of memory"))
 
 
 def test_cpu_tensors_use_the_shim_only_once_it_is_loaded(shim):

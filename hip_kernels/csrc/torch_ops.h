@@ -41,9 +41,25 @@ inline ElemKind elem_kind(const at::Tensor& t) {
   }
 }
 
+// hipErrorInvalidDeviceFunction / hipErrorNoBinaryForGpu (the same numbers as CUDA's
+// cudaErrorInvalidDeviceFunction / cudaErrorNoKernelImageForDevice): the extension holds no code
+// object for this GPU's arch. rocdraft.hip_kernels.dispatch matches this message and falls back.
+constexpr int kInvalidDeviceFunction = 98;
+constexpr int kNoBinaryForGpu = 209;
+
 inline void check_launch(int code, const char* op) {
   TORCH_CHECK(code != kUnsupported, op, ": no kernel for this dtype/layout combination");
+  TORCH_CHECK(code != kInvalidDeviceFunction && code != kNoBinaryForGpu, op,
+              ": no kernel image for this GPU (error ", code,
+              ": invalid device function / no kernel image); the extension was built for "
+              "other archs");
   TORCH_CHECK(code == 0, op, ": kernel launch failed with error ", code);
+}
+
+// Innermost stride 1, or empty: an empty tensor's strides carry no meaning (torch.where gives
+// a [0, 1] tensor strides (1, 0)), and no kernel reads it.
+inline bool rows_contiguous(const at::Tensor& t) {
+  return t.numel() == 0 || t.stride(t.dim() - 1) == 1;
 }
 
 inline void check_1d(const at::Tensor& t, at::ScalarType dtype, int64_t size, const char* name) {
@@ -72,7 +88,7 @@ inline WriteKvParams make_write_kv_params(const at::Tensor& key, const at::Tenso
                                           const std::optional<at::Tensor>& v_scale,
                                           int64_t layout) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "write_kv: key/value shapes");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "write_kv: head_dim not contiguous");
+  TORCH_CHECK(rows_contiguous(key) && rows_contiguous(value), "write_kv: head_dim not contiguous");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "write_kv: key/value dtypes differ");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "write_kv: caches must be contiguous");
@@ -133,7 +149,7 @@ inline void advance_draft_step(const at::Tensor& positions, const at::Tensor& se
   check_1d(clamped_positions, at::kLong, batch_size, "advance_draft_step: clamped_positions");
   check_1d(slot_mapping, at::kLong, batch_size, "advance_draft_step: slot_mapping");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) >= batch_size
-                  && block_table.size(1) > 0 && block_table.stride(1) == 1
+                  && block_table.size(1) > 0 && rows_contiguous(block_table)
                   && block_table.scalar_type() == at::kInt,
               "advance_draft_step: block_table must be int32 [>= batch_size, > 0]");
   TORCH_CHECK(block_size > 0, "advance_draft_step: block_size must be positive");
@@ -160,7 +176,7 @@ inline void prepare_padded_drafting(const at::Tensor& sampled, const at::Tensor&
                                     const at::Tensor& valid_sampled_count,
                                     const at::Tensor& token_indices_to_sample,
                                     const at::Tensor& num_rejected, int64_t stream) {
-  TORCH_CHECK(sampled.dim() == 2 && sampled.stride(1) == 1 && sampled.scalar_type() == at::kLong,
+  TORCH_CHECK(sampled.dim() == 2 && rows_contiguous(sampled) && sampled.scalar_type() == at::kLong,
               "prepare_padded_drafting: sampled must be int64 [batch_size, k + 1]");
   const int64_t batch_size = sampled.size(0);
   check_1d(discard_request, at::kBool, batch_size, "prepare_padded_drafting: discard_request");
