@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from rocdraft.errors import CheckpointError
+from rocdraft.errors import CheckpointError, RocdraftError
 from rocdraft.models.config import checkpoint_dir, read_json
 
 
@@ -28,6 +28,14 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; a RocdraftError when it is not a str or has no UTF-8 form
+        (a lone surrogate, e.g. a non-UTF-8 command-line argument decoded by Python)."""
+        if not isinstance(text, str):
+            raise RocdraftError(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RocdraftError(_not_utf8(text, exc.start)) from None
         ids = self._tok.encode(text, add_special_tokens=True).ids
         if self._add_bos is None or self.bos_token_id is None:
             return ids
@@ -40,6 +48,16 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _not_utf8(text: str, index: int) -> str:
+    """Why ``text[index]`` (a lone surrogate) cannot be encoded; never quotes the character,
+    which could not be printed either."""
+    code = ord(text[index])
+    if 0xDC80 <= code <= 0xDCFF:  # Python's surrogateescape stand-in for an undecodable byte
+        return (f"prompt is not valid UTF-8: byte 0x{code - 0xDC00:02x} at character {index} "
+                f"(was it written in another encoding?)")
+    return f"prompt holds a lone surrogate U+{code:04X} at character {index} (not valid Unicode)"
 
 
 def _token_content(value) -> str | None:

@@ -7,7 +7,9 @@ speedup, acceptance, and where the speculative step's time went.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import time
 
 
@@ -45,10 +47,19 @@ def _prompts(args, tokenizer) -> list:
 
 
 def run_bench(args) -> int:
+    try:
+        return _run_bench(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")  # end the progress line, so the CLI's message stands alone
+        raise
+
+
+def _run_bench(args) -> int:
     from rocdraft.cli import make_llm
     from rocdraft.config import SamplingParams
     from rocdraft.errors import RocdraftError
 
+    SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)  # checks both
     batch_sizes = args.batch_size or [1, 8]
     bad = [b for b in batch_sizes if b < 1]
     if bad:
@@ -60,6 +71,7 @@ def run_bench(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise RocdraftError("--plot needs matplotlib: pip install 'rocdraft[plot]'") from None
+        _check_plot_path(args.plot)
     spec_llm, method = make_llm(args)
     if method == "none":
         raise RocdraftError("rocdraft bench compares against speculative decoding; "
@@ -181,4 +193,35 @@ def _plot(report: dict, path: str) -> None:
             title="Acceptance per draft position")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    _save_atomically(fig, path)
+
+
+def _check_plot_path(path: str) -> None:
+    """Refuse, before anything runs, a --plot whose folder or format cannot be written."""
+    from matplotlib.figure import Figure
+
+    from rocdraft.errors import RocdraftError
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise RocdraftError(f"--plot {path!r}: folder {directory!r} does not exist")
+    fmt = os.path.splitext(path)[1][1:].lower()
+    formats = Figure().canvas.get_supported_filetypes()
+    if fmt and fmt not in formats:
+        raise RocdraftError(f"--plot {path!r}: unknown image format {fmt!r}; valid: "
+                            f"{', '.join(sorted(formats))}")
+
+
+def _save_atomically(fig, path: str) -> None:
+    """Write the figure beside ``path`` and rename it there: an interrupt (or a failure) leaves
+    either the old file or the new one, never a half-written one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fmt = os.path.splitext(path)[1][1:].lower() or None
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".rocdraft-plot-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format=fmt)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,4 +1,5 @@
-"""``rocdraft``: generate, backends, bench. User errors print one line to stderr, exit 2."""
+"""``rocdraft``: generate, backends, bench. User errors print one line to stderr, exit 2;
+Ctrl-C prints ``rocdraft: interrupted`` and exits 130."""
 from __future__ import annotations
 
 import argparse
@@ -70,7 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a Ctrl-C
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("rocdraft: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+
+
+def _main(argv: list[str] | None) -> int:
     _prepare_environment()
     from rocdraft.errors import RocdraftError
 

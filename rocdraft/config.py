@@ -1,10 +1,55 @@
 """User-facing configuration: frozen dataclasses validated at construction."""
 from __future__ import annotations
 
+import math
+import numbers
+import os
 from dataclasses import dataclass
+
+from rocdraft.errors import RocdraftError
 
 METHODS = ("eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
+
+
+def _kind(value) -> str:
+    return type(value).__name__
+
+
+def check_int(name: str, value, minimum: int | None = None, optional: bool = False) -> int | None:
+    """``value`` as an int (an integral number, not a bool) of at least ``minimum``; None
+    passes when ``optional``. A RocdraftError naming ``name`` and the value otherwise."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        what = "an integer or None" if optional else "an integer"
+        raise RocdraftError(f"{name} must be {what}, got {value!r} ({_kind(value)})")
+    if minimum is not None and value < minimum:
+        raise RocdraftError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_real(name: str, value) -> float:
+    """``value`` as a finite float (a real number, not a bool); NaN and infinities refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RocdraftError(f"{name} must be a real number, got {value!r} ({_kind(value)})")
+    if not math.isfinite(value):
+        raise RocdraftError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise RocdraftError(f"{name} must be True or False, got {value!r} ({_kind(value)})")
+
+
+def _check_str(name: str, value, optional: bool = False, path: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, str) or (path and isinstance(value, os.PathLike)):
+        return
+    what = "a string" + (" or path" if path else "") + (" or None" if optional else "")
+    raise RocdraftError(f"{name} must be {what}, got {value!r} ({_kind(value)})")
 
 
 @dataclass(frozen=True)
@@ -24,15 +69,27 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        temperature = _check_real("temperature", self.temperature)
+        if not temperature >= 0.0:
+            raise RocdraftError(f"temperature must be >= 0, got {self.temperature}")
+        top_p = _check_real("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise RocdraftError(f"top_p must be in (0, 1], got {self.top_p}")
+        top_k = check_int("top_k", self.top_k)
+        if top_k < -1:
+            raise RocdraftError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        max_tokens = check_int("max_tokens", self.max_tokens, minimum=1)
+        seed = check_int("seed", self.seed, optional=True)
+        _check_bool("ignore_eos", self.ignore_eos)
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
+            raise RocdraftError(f"stop_token_ids must be a sequence of token ids, got {stop!r} "
+                                f"({_kind(stop)})")
+        stop = tuple(check_int(f"stop_token_ids[{i}]", t, minimum=0) for i, t in enumerate(stop))
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                            ("max_tokens", max_tokens), ("seed", seed),
+                            ("stop_token_ids", stop)):
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -54,17 +111,19 @@ class SpeculativeConfig:
     max_draft_tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown speculative method {self.method!r}; valid: {METHODS}")
-        if self.max_speculative_tokens < 1:
-            raise ValueError(f"max_speculative_tokens must be >= 1, "
-                             f"got {self.max_speculative_tokens}")
-        if self.max_draft_tokens_per_step is not None and self.max_draft_tokens_per_step < 1:
-            raise ValueError(f"max_draft_tokens_per_step must be >= 1 or None, "
-                             f"got {self.max_draft_tokens_per_step}")
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise RocdraftError(f"unknown speculative method {self.method!r}; valid: {METHODS}")
+        for name, minimum, optional in (("max_speculative_tokens", 1, False),
+                                        ("max_draft_tokens_per_step", 1, True),
+                                        ("num_speculative_tokens", None, False)):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum,
+                                                     optional))
+        _check_bool("enforce_eager", self.enforce_eager)
+        _check_bool("padded_drafting", self.padded_drafting)
         if not 1 <= self.num_speculative_tokens <= self.max_speculative_tokens:
-            raise ValueError(f"num_speculative_tokens must be in [1, "
-                             f"{self.max_speculative_tokens}], got {self.num_speculative_tokens}")
+            raise RocdraftError(f"num_speculative_tokens must be in "
+                                f"[1, {self.max_speculative_tokens}], "
+                                f"got {self.num_speculative_tokens}")
 
 
 @dataclass(frozen=True)
@@ -80,11 +139,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "num_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_lookahead_tokens < 0:
-            raise ValueError(f"num_lookahead_tokens must be >= 0, got {self.num_lookahead_tokens}")
+                     "num_blocks", "num_lookahead_tokens"):
+            minimum = 0 if name == "num_lookahead_tokens" else 1
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum))
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -105,8 +162,16 @@ class EngineConfig:
     draft_attention_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; valid: {DTYPES}")
+        _check_str("target", self.target, path=True)
+        _check_str("draft", self.draft, optional=True, path=True)
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise RocdraftError(f"speculative must be a SpeculativeConfig or None, got "
+                                f"{self.speculative!r} ({_kind(self.speculative)})")
+        _check_str("device", self.device)
+        _check_str("attention_backend", self.attention_backend, optional=True)
+        _check_str("draft_attention_backend", self.draft_attention_backend, optional=True)
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
+            raise RocdraftError(f"unknown dtype {self.dtype!r}; valid: {DTYPES}")
         if self.speculative is not None and not self.draft:
-            raise ValueError(f"speculative method {self.speculative.method!r} needs a draft "
-                             f"head directory (draft=...)")
+            raise RocdraftError(f"speculative method {self.speculative.method!r} needs a draft "
+                                f"head directory (draft=...)")

@@ -6,6 +6,7 @@ backends through the registry, allocates the paged KV caches, and runs continuou
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 
 import torch
@@ -14,7 +15,8 @@ from rocdraft import envs
 from rocdraft.backends import registry
 from rocdraft.backends.base import Feature
 from rocdraft.backends.kv_cache import allocate_kv_cache
-from rocdraft.config import (EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig)
+from rocdraft.config import (EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig,
+                             check_int)
 from rocdraft.drafter.eagle import EagleProposer
 from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets, graph_capture_refusal
 from rocdraft.errors import RocdraftError
@@ -41,8 +43,9 @@ class LLM:
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("num_kv_blocks", num_kv_blocks), ("max_model_len", max_model_len)):
-            if value is not None and value < 1:
-                raise RocdraftError(f"{name} must be >= 1, got {value}")
+            check_int(name, value, minimum=1, optional=name in ("num_kv_blocks",
+                                                                "max_model_len"))
+        envs.check_switches()
         if draft and speculative_config is None:
             raise RocdraftError("a draft head was given without speculative_config; pass "
                                 "SpeculativeConfig(method='eagle' or 'eagle3', ...)")
@@ -59,7 +62,8 @@ class LLM:
         spec = speculative_config
         self.target, self.tokenizer, self.backend = load_target_model(
             target, self.torch_dtype, device, kind, block_size,
-            attention_backend or envs.attention_backend())
+            attention_backend or envs.checked_backend(envs.ATTENTION_BACKEND,
+                                                      registry.registered_names()))
         cfg = self.target.config
         self.max_model_len = min(max_model_len if max_model_len is not None
                                  else cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -92,11 +96,18 @@ class LLM:
 
     def _setup_drafter(self, spec: SpeculativeConfig, kind: str, block_size: int,
                        num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        name = self.config.draft_attention_backend or envs.draft_attention_backend() \
-            or self.backend.name
-        self.head, self.draft_backend = load_draft_head(
+        # The registry picks the head's backend: the argument, else the env var, else the
+        # target's when it can run the draft loop (captured on a GPU), else the first that can.
+        arch = detect_platform().arch if kind != "cpu" else None
+        self.head, draft_selection = load_draft_head(
             self.config.draft, self.target, spec.method, self.torch_dtype, self.device, kind,
-            block_size, name)
+            block_size, self.backend.name, self.config.draft_attention_backend,
+            spec.num_speculative_tokens, need_graphs=kind != "cpu" and not spec.enforce_eager,
+            arch=arch)
+        self.draft_backend, self.draft_backend_reason = draft_selection.backend, \
+            draft_selection.reason
+        log.info("draft attention backend %s: %s", self.draft_backend.name,
+                 self.draft_backend_reason)
         if spec.num_speculative_tokens > 1:
             registry.require(self.draft_backend.name, Feature.MULTI_TOKEN_DRAFTING,
                              f"drafting {spec.num_speculative_tokens} tokens per step")
@@ -128,11 +139,20 @@ class LLM:
         """prompts: strings (need a tokenizer) or lists of token ids; one SamplingParams for
         all or one per prompt. A bad request fails alone (finish_reason "error")."""
         if not isinstance(prompts, (list, tuple)):
-            raise RocdraftError("prompts must be a list of strings or of token-id lists")
-        params = sampling_params or SamplingParams()
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+            raise RocdraftError(f"prompts must be a list of strings or of token-id lists, got "
+                                f"{type(prompts).__name__}")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif not isinstance(params, (list, tuple)):
+            raise RocdraftError(f"sampling_params must be a SamplingParams or a list of them "
+                                f"(one per prompt), got {type(params).__name__}")
         if len(params) != len(prompts):
             raise RocdraftError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for i, sp in enumerate(params):  # refused before any request runs: nothing is lost
+            if not isinstance(sp, SamplingParams):
+                raise RocdraftError(f"sampling_params[{i}] is a {type(sp).__name__}, not a "
+                                    f"SamplingParams")
         spec = self.config.speculative
         stats = GenerationStats(num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         scheduler = Scheduler(self.scheduler_config)
@@ -167,14 +187,29 @@ class LLM:
         return req
 
     def _tokenize(self, prompt) -> tuple[list[int], str | None]:
+        """-> (token ids, None) or ([], why the prompt cannot run)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return [], "text prompt given but the target has no tokenizer.json"
-            return self.tokenizer.encode(prompt), None
+            try:
+                return self.tokenizer.encode(prompt), None
+            except RocdraftError as exc:
+                return [], str(exc)
+        if isinstance(prompt, (bytes, bytearray)):
+            return [], (f"prompt is {type(prompt).__name__}; pass a str (text) or a list of "
+                        f"int token ids")
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
         try:
-            return [int(t) for t in prompt], None
-        except (TypeError, ValueError):
-            return [], f"prompt {prompt!r} is neither a string nor a list of token ids"
+            ids = list(prompt)
+        except TypeError:
+            return [], (f"prompt of type {type(prompt).__name__} is neither a string nor a "
+                        f"list of token ids")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                return [], (f"token id at index {i} is {t!r} ({type(t).__name__}); token ids "
+                            f"must be integers")
+        return [int(t) for t in ids], None
 
     def _output(self, req: Request) -> RequestOutput:
         text = None

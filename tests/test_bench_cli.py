@@ -91,3 +91,58 @@ def test_plot_without_matplotlib_names_the_extra(capsys, pair, monkeypatch, tmp_
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     rc, _, err = bench(capsys, pair, "--plot", str(tmp_path / "x.png"))
     assert rc == 2 and "rocdraft[plot]" in err
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--temperature", "inf"], "temperature must be finite, got inf"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--max-new-tokens", "0"], "max_tokens must be >= 1"),
+])
+def test_bench_bad_sampling_values_fail_before_loading(capsys, pair, args, fragment,
+                                                       monkeypatch):
+    import rocdraft.cli
+
+    def no_loading(args):
+        raise AssertionError("models were loaded before the sampling values were checked")
+
+    monkeypatch.setattr(rocdraft.cli, "make_llm", no_loading)
+    rc, out, err = bench(capsys, pair, *args)
+    assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("name, fragment", [("missing/plot.png", "does not exist"),
+                                            ("plot.xyz", "unknown image format 'xyz'")])
+def test_bad_plot_path_fails_before_loading(capsys, pair, tmp_path, monkeypatch, name,
+                                            fragment):
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    import rocdraft.cli
+
+    def no_loading(args):
+        raise AssertionError("models were loaded before --plot was checked")
+
+    monkeypatch.setattr(rocdraft.cli, "make_llm", no_loading)
+    rc, out, err = bench(capsys, pair, "--plot", str(tmp_path / name))
+    assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_interrupted_plot_leaves_the_old_file_and_no_partial_one(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    from matplotlib.figure import Figure
+
+    from rocdraft.bench_cli import _save_atomically
+
+    class Interrupted(Figure):
+        def savefig(self, f, **kwargs):
+            f.write(b"half a PNG")
+            raise KeyboardInterrupt
+
+    path = tmp_path / "bench.png"
+    with pytest.raises(KeyboardInterrupt):
+        _save_atomically(Interrupted(), str(path))
+    assert list(tmp_path.iterdir()) == []
+    path.write_bytes(b"old")
+    with pytest.raises(KeyboardInterrupt):
+        _save_atomically(Interrupted(), str(path))
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"old"
+    _save_atomically(Figure(), str(path))
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes()[:4] == b"\x89PNG"

@@ -265,6 +265,20 @@ def test_bad_request_in_text_output(capsys, ckpt):
     assert "--- completion 1 (" in out
 
 
+def test_prompt_without_a_utf8_form_fails_alone(capsys, ckpt):
+    """A non-UTF-8 argv byte reaches Python as a lone surrogate ("\\udcff"): that prompt fails
+    with one line, the others complete, and nothing raises."""
+    result = generate_json(capsys, "--target", ckpt["target"], "caf\udcff", "hello world",
+                           "--max-new-tokens", 2)
+    bad, good = result["outputs"]
+    assert bad["finish_reason"] == "error" and "not valid UTF-8" in bad["error"]
+    assert "0xff" in bad["error"] and "\n" not in bad["error"]
+    assert good["finish_reason"] != "error" and len(good["token_ids"]) >= 1
+    rc, out, err = run_cli(capsys, "generate", "--target", ckpt["target"], "caf\udcff")
+    assert rc == 1 and "Traceback" not in err, err
+    assert "--- completion 0 (error) ---\n[error] prompt is not valid UTF-8: byte 0xff" in out
+
+
 def test_target_without_tokenizer(capsys, ckpt):
     result = generate_json(capsys, "--target", ckpt["notok"], "hello world", "--prompt-ids",
                            PROMPT_A, "--max-new-tokens", 3)
@@ -304,7 +318,22 @@ def test_unknown_backend_lists_registered(capsys, ckpt):
 def test_unknown_backend_from_env(capsys, ckpt, monkeypatch):
     monkeypatch.setenv("ROCDRAFT_ATTENTION_BACKEND", "NO_SUCH")
     assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
-                               PROMPT_A), "NO_SUCH", *registry.registered_names())
+                               PROMPT_A), "ROCDRAFT_ATTENTION_BACKEND='NO_SUCH'",
+                      *registry.registered_names())
+
+
+def test_unknown_draft_backend_from_env(capsys, ckpt, monkeypatch):
+    monkeypatch.setenv("ROCDRAFT_DRAFT_ATTENTION_BACKEND", "NO_SUCH")
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, "--method", "eagle", "--draft", ckpt["eagle1"]),
+                      "ROCDRAFT_DRAFT_ATTENTION_BACKEND='NO_SUCH'", *registry.registered_names())
+
+
+@pytest.mark.parametrize("var", ["ROCDRAFT_HIP_KERNELS", "ROCDRAFT_AITER_ASM_LAYOUT"])
+def test_unknown_switch_value_from_env(capsys, ckpt, monkeypatch, var):
+    monkeypatch.setenv(var, "maybe")
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A), f"{var}='maybe'", "1/true/yes/on", "0/false/no/off")
 
 
 def test_unknown_draft_backend(capsys, ckpt):
@@ -329,6 +358,7 @@ def test_cuda_device_without_gpu(capsys, ckpt):
 @pytest.mark.parametrize("flags, fragment", [
     (("--temperature", "-0.5"), "temperature"),
     (("--temperature", "nan"), "temperature"),
+    (("--temperature", "inf"), "temperature must be finite, got inf"),
     (("--top-p", "0"), "top_p"),
     (("--top-p", "1.5"), "top_p"),
     (("--top-k", "-5"), "top_k"),
@@ -547,3 +577,66 @@ def test_seed_gives_each_prompt_its_own_stream(capsys, ckpt):
     again = [o["token_ids"] for o in generate_json(capsys, *args)["outputs"]]
     assert first == again  # reproducible
     assert first[0] != first[1]  # the same prompt twice does not repeat one stream
+
+
+# --- Ctrl-C ----------------------------------------------------------------------------------
+
+# Runs ``python -m rocdraft.cli`` (through runpy, as -m does) after wrapping LLM._step so that
+# the first step announces itself on stderr: the test interrupts a run that is generating.
+_ANNOUNCING_CHILD = """
+import runpy, sys
+import rocdraft.engine
+step = rocdraft.engine.LLM._step
+def announced(self, *args, **kwargs):
+    if not getattr(announced, "said", False):
+        announced.said = True
+        print("test: generating", file=sys.stderr, flush=True)
+    return step(self, *args, **kwargs)
+rocdraft.engine.LLM._step = announced
+sys.argv[0] = "rocdraft"
+runpy.run_module("rocdraft.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def _interrupt_while_generating(argv: list[str]) -> tuple[int, str, str]:
+    import signal
+    import threading
+
+    process = subprocess.Popen([sys.executable, "-c", _ANNOUNCING_CHILD, *map(str, argv)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(180, process.kill)
+    watchdog.start()
+    try:
+        before = []
+        for line in process.stderr:
+            before.append(line)
+            if line.rstrip().endswith("test: generating"):
+                break
+        else:
+            raise AssertionError(f"the run never started generating: {''.join(before)}")
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, out, err
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_ctrl_c_prints_one_line_exits_130_and_leaves_nothing(ckpt, tmp_path, command):
+    many = ["--prompt-ids", PROMPT_A] * 100
+    if command == "generate":
+        argv = ["generate", "--target", ckpt["target"], *many, "--max-new-tokens", 240,
+                "--ignore-eos", "--json"]
+    else:
+        pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+        argv = ["bench", "--target", ckpt["deep"], "--draft", ckpt["eagle3"], "--prompts-file",
+                ckpt["plain.txt"], "--batch-size", 64, "--max-new-tokens", 200, "--repeat", 5,
+                "--plot", tmp_path / "bench.png", "--json"]
+    rc, out, err = _interrupt_while_generating(argv)
+    assert rc == 130, (out, err)
+    assert "Traceback" not in err, err
+    assert err.rstrip("\n").split("\n")[-1] == "rocdraft: interrupted", err
+    assert out == ""
+    assert list(tmp_path.iterdir()) == []  # no plot, no temporary file

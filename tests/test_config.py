@@ -137,3 +137,78 @@ def test_speculative_without_draft(draft):
         EngineConfig(target="t", draft=draft, speculative=SpeculativeConfig(method="eagle"))
     msg = str(exc.value)
     assert "'eagle'" in msg and "draft" in msg
+
+
+# --- types and finiteness of every field ----------------------------------------------------
+
+@pytest.mark.parametrize("cls, kwargs, fragments", [
+    (SamplingParams, dict(temperature=math.inf), ("temperature", "inf")),
+    (SamplingParams, dict(temperature="0.5"), ("temperature", "'0.5'", "str")),
+    (SamplingParams, dict(temperature=True), ("temperature", "True", "bool")),
+    (SamplingParams, dict(top_p=None), ("top_p", "None")),
+    (SamplingParams, dict(top_k=2.0), ("top_k", "2.0", "float")),
+    (SamplingParams, dict(max_tokens=2.5), ("max_tokens", "2.5", "integer")),
+    (SamplingParams, dict(max_tokens=True), ("max_tokens", "True", "bool")),
+    (SamplingParams, dict(max_tokens=math.inf), ("max_tokens", "inf")),
+    (SamplingParams, dict(seed=1.5), ("seed", "1.5", "None")),
+    (SamplingParams, dict(seed="7"), ("seed", "'7'")),
+    (SamplingParams, dict(stop_token_ids=[3, 2.5]), ("stop_token_ids[1]", "2.5")),
+    (SamplingParams, dict(stop_token_ids=[-1]), ("stop_token_ids[0]", ">= 0", "-1")),
+    (SamplingParams, dict(stop_token_ids="12"), ("stop_token_ids", "'12'")),
+    (SamplingParams, dict(stop_token_ids=5), ("stop_token_ids", "5")),
+    (SamplingParams, dict(ignore_eos="no"), ("ignore_eos", "'no'")),
+    (SpeculativeConfig, dict(num_speculative_tokens=2.5), ("num_speculative_tokens", "2.5")),
+    (SpeculativeConfig, dict(num_speculative_tokens=True), ("num_speculative_tokens", "bool")),
+    (SpeculativeConfig, dict(num_speculative_tokens="4"), ("num_speculative_tokens", "'4'")),
+    (SpeculativeConfig, dict(max_speculative_tokens=8.0), ("max_speculative_tokens", "8.0")),
+    (SpeculativeConfig, dict(max_draft_tokens_per_step=4.5),
+     ("max_draft_tokens_per_step", "4.5", "None")),
+    (SpeculativeConfig, dict(method=["eagle"]), ("method", "['eagle']", "eagle3")),
+    (SpeculativeConfig, dict(enforce_eager=1), ("enforce_eager", "1", "int")),
+    (SpeculativeConfig, dict(padded_drafting="yes"), ("padded_drafting", "'yes'")),
+    (SchedulerConfig, dict(max_num_seqs=2.5), ("max_num_seqs", "2.5")),
+    (SchedulerConfig, dict(block_size=16.0), ("block_size", "16.0")),
+    (SchedulerConfig, dict(num_blocks=math.nan), ("num_blocks", "nan")),
+    (SchedulerConfig, dict(max_model_len=True), ("max_model_len", "bool")),
+    (SchedulerConfig, dict(num_lookahead_tokens=0.5), ("num_lookahead_tokens", "0.5")),
+])
+def test_every_field_checks_its_type(cls, kwargs, fragments):
+    with pytest.raises(ValueError) as exc:
+        cls(**kwargs)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+
+
+@pytest.mark.parametrize("kwargs, fragments", [
+    (dict(target=3), ("target", "3", "int")),
+    (dict(target="t", draft=b"d"), ("draft", "b'd'")),
+    (dict(target="t", speculative="eagle3", draft="d"), ("speculative", "'eagle3'")),
+    (dict(target="t", device=0), ("device", "0")),
+    (dict(target="t", attention_backend=1), ("attention_backend", "1")),
+    (dict(target="t", draft_attention_backend=["X"]), ("draft_attention_backend", "['X']")),
+    (dict(target="t", dtype=["float32"]), ("dtype", "['float32']", "bfloat16")),
+])
+def test_engine_config_checks_types(kwargs, fragments):
+    with pytest.raises(ValueError) as exc:
+        EngineConfig(**kwargs)
+    for fragment in fragments:
+        assert fragment in str(exc.value), (fragment, str(exc.value))
+
+
+def test_integral_and_real_values_are_normalised():
+    import numpy as np
+    from pathlib import Path
+
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), max_tokens=np.int32(4),
+                       seed=np.int64(9), stop_token_ids=[np.int64(2)])
+    assert (type(p.temperature), type(p.top_k), type(p.max_tokens), type(p.seed)) == \
+        (float, int, int, int)
+    assert p.stop_token_ids == (2,) and type(p.stop_token_ids[0]) is int
+    assert SamplingParams(temperature=1).temperature == 1.0
+    assert SamplingParams(seed=-3).seed == -3
+    assert type(SpeculativeConfig(num_speculative_tokens=np.int64(3)).num_speculative_tokens) \
+        is int
+    assert type(SchedulerConfig(block_size=np.int64(32)).block_size) is int
+    assert EngineConfig(target=Path("t"), draft=Path("d"), speculative=SpeculativeConfig())

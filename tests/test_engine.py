@@ -134,3 +134,69 @@ def test_engine_argument_errors(checkpoints, tmp_path):
 def test_engine_rejects_bad_sizes_and_a_stray_draft(checkpoints, kwargs, fragment):
     with pytest.raises(RocdraftError, match=fragment):
         LLM(str(checkpoints["llama"]), **kwargs)
+
+
+def test_prompts_that_cannot_run_fail_alone(checkpoints):
+    """Text without a UTF-8 form, bytes, and non-integer token ids each fail their own request
+    (one line naming the problem); the others complete as if alone."""
+    llm = LLM(str(checkpoints["llama"]))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    alone = llm.generate([[1, 5, 7]], params)[0].token_ids
+    prompts = ["caf\udcff", b"\x01\x05\x07", [1, 5.0, 7], [1, True, 7],
+               torch.tensor([1.0, 5.0]), [1, 5, 7], torch.tensor([1, 5, 7]), "hello", [[1, 5]]]
+    outs = llm.generate(prompts, params)
+    for out, fragments in zip(outs, [("not valid UTF-8", "0xff"), ("bytes", "str", "int"),
+                                     ("index 1", "5.0", "float"), ("index 1", "True", "bool"),
+                                     ("index 0", "1.0", "float"), (), (), (),
+                                     ("index 0", "[1, 5]", "list")]):
+        if fragments:
+            assert out.finish_reason == "error" and out.token_ids == [], out
+            assert "\n" not in out.error
+            assert all(f in out.error for f in fragments), (fragments, out.error)
+        else:
+            assert out.finish_reason == "length" and out.error is None
+    assert outs[5].token_ids == alone and outs[6].token_ids == alone
+    assert len(outs[7].token_ids) == 3
+
+
+@pytest.mark.parametrize("prompts, sampling_params, fragment", [
+    ([[1, 2], [3, 4]], [SamplingParams(), "greedy"], "sampling_params[1] is a str"),
+    ([[1, 2]], [None], "sampling_params[0] is a NoneType"),
+    ([[1, 2]], {"temperature": 0.0}, "got dict"),
+    ([[1, 2]], [], "0 sampling params for 1 prompts"),
+    ([[1, 2], [3]], (SamplingParams(),), "1 sampling params for 2 prompts"),
+    ("hello", None, "got str"),
+])
+def test_bad_sampling_params_list_is_refused_before_anything_runs(checkpoints, prompts,
+                                                                  sampling_params, fragment):
+    llm = LLM(str(checkpoints["llama"]))
+    with pytest.raises(RocdraftError) as exc:
+        llm.generate(prompts, sampling_params)
+    assert fragment in str(exc.value), str(exc.value)
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(block_size=16.0), "block_size must be an integer, got 16.0 (float)"),
+    (dict(max_num_seqs=True), "max_num_seqs must be an integer, got True (bool)"),
+    (dict(max_model_len=2.5), "max_model_len must be an integer or None, got 2.5"),
+])
+def test_engine_sizes_must_be_integers(checkpoints, kwargs, fragment):
+    with pytest.raises(RocdraftError) as exc:
+        LLM(str(checkpoints["llama"]), **kwargs)
+    assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize("var, value, fragments", [
+    ("ROCDRAFT_ATTENTION_BACKEND", "NO_SUCH", ("ROCDRAFT_ATTENTION_BACKEND='NO_SUCH'",
+                                               "TORCH_SDPA")),
+    ("ROCDRAFT_HIP_KERNELS", "maybe", ("ROCDRAFT_HIP_KERNELS='maybe'", "off")),
+    ("ROCDRAFT_AITER_ASM_LAYOUT", "2", ("ROCDRAFT_AITER_ASM_LAYOUT='2'", "yes")),
+])
+def test_bad_environment_variables_name_the_variable(checkpoints, monkeypatch, var, value,
+                                                     fragments):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(RocdraftError) as exc:
+        LLM(str(checkpoints["llama"]))
+    for fragment in fragments:
+        assert fragment in str(exc.value), (fragment, str(exc.value))

@@ -9,7 +9,7 @@ from tokenizers import models, pre_tokenizers
 from transformers import AutoTokenizer
 
 from checkpoints import write_tiny_tokenizer
-from rocdraft.errors import CheckpointError
+from rocdraft.errors import CheckpointError, RocdraftError
 from rocdraft.models.tokenizer import load_tokenizer
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "", "one two zzz"]
@@ -58,3 +58,23 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(CheckpointError, match="cannot read"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("caf\udcff", ("not valid UTF-8", "0xff", "character 3")),
+    ("\ud800x", ("lone surrogate", "U+D800", "character 0")),
+])
+def test_text_without_a_utf8_form_is_a_user_error(tok_dir, text, fragments):
+    with pytest.raises(RocdraftError) as exc:
+        load_tokenizer(tok_dir).encode(text)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    msg.encode("utf-8")  # printable: the message never quotes the surrogate
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+
+
+@pytest.mark.parametrize("value", [b"hello", [1, 2], None])
+def test_encode_refuses_what_is_not_a_str(tok_dir, value):
+    with pytest.raises(RocdraftError, match=f"must be a str, got {type(value).__name__}"):
+        load_tokenizer(tok_dir).encode(value)
