@@ -28,6 +28,7 @@ _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                              "original_max_position_embeddings")}
 DEFAULT_ROPE_THETA = 10000.0
+NUM_AUX_LAYERS = 3  # EAGLE-3 fc reads 3 target layers (reference and vLLM alike)
 
 
 def parse_rope(raw: dict[str, Any], default_theta: float = DEFAULT_ROPE_THETA
@@ -190,6 +191,9 @@ class HeadConfig:
     max_position_embeddings: int = 2048
     target_hidden_size: int | None = None  # EAGLE-3 fc input is 3 * this (None: hidden_size)
     bias: bool = True  # EAGLE-1 fc bias ("bias" absent means true)
+    qkv_bias: bool = False  # EAGLE-1 q/k/v biases (Qwen2 heads: "qkv_bias": true)
+    # EAGLE-3: the target layers whose residual-stream inputs feed fc (None: 2, L//2, L-3).
+    aux_layer_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         owner = f"draft head ({self.architecture})"
@@ -205,6 +209,12 @@ class HeadConfig:
                                   f"vocab_size {self.vocab_size}")
         if self.target_hidden_size is not None:
             _positive(owner, target_hidden_size=self.target_hidden_size)
+        ids = self.aux_layer_ids
+        if ids is not None and (len(ids) != NUM_AUX_LAYERS or len(set(ids)) != len(ids) or any(
+                not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)):
+            raise CheckpointError(f"{owner}: eagle_aux_hidden_state_layer_ids must list "
+                                  f"{NUM_AUX_LAYERS} distinct target layer ids >= 0, got "
+                                  f"{list(ids)}")
 
     @staticmethod
     def from_dict(raw: dict[str, Any]) -> "HeadConfig":
@@ -225,7 +235,34 @@ class HeadConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta,
             rope_scaling=scaling, max_position_embeddings=raw.get("max_position_embeddings", 2048),
             target_hidden_size=raw.get("target_hidden_size"),
-            bias=bool(raw.get("bias", True)))
+            bias=bool(raw.get("bias", True)), qkv_bias=bool(raw.get("qkv_bias", False)),
+            aux_layer_ids=_aux_layer_ids(raw, architectures[0]))
+
+
+def _aux_layer_ids(raw: dict[str, Any], arch: str) -> tuple[int, ...] | None:
+    """``eagle_aux_hidden_state_layer_ids`` at the top level or under ``eagle_config``, where
+    vLLM reads them (gpu_model_runner ``_get_eagle3_aux_layers_from_config``); None if absent."""
+    eagle_config = raw.get("eagle_config")
+    if eagle_config is not None and not isinstance(eagle_config, dict):
+        raise CheckpointError(f"draft head config ({arch}): eagle_config must be a dict, got "
+                              f"{eagle_config!r}")
+    eagle_config = eagle_config or {}
+    if eagle_config.get("use_aux_hidden_state", True) is not True:
+        raise CheckpointError(f"draft head config ({arch}): eagle_config.use_aux_hidden_state "
+                              f"{eagle_config['use_aux_hidden_state']!r} is not supported (EAGLE-3 "
+                              f"heads read 3 aux hidden states)")
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    nested = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    for ids in (top, nested):
+        if ids is not None and not isinstance(ids, (list, tuple)):
+            raise CheckpointError(f"draft head config ({arch}): eagle_aux_hidden_state_layer_ids "
+                                  f"must be a list of {NUM_AUX_LAYERS} layer ids, got {ids!r}")
+    if top is not None and nested is not None and list(top) != list(nested):
+        raise CheckpointError(f"draft head config ({arch}): eagle_aux_hidden_state_layer_ids "
+                              f"{list(top)} and eagle_config.eagle_aux_hidden_state_layer_ids "
+                              f"{list(nested)} disagree")
+    ids = top if top is not None else nested
+    return None if ids is None else tuple(ids)
 
 
 def read_json(path: Path) -> dict[str, Any]:

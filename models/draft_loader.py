@@ -8,9 +8,17 @@
 Embeddings: a head without ``embed_tokens.weight`` uses the target's module. A head with one
 of the target's shape shares the target's module when the values are equal (the usual frozen
 copy) and keeps its own copy otherwise, so the head computes what it was trained with.
+An EAGLE-3 head with the full target vocabulary and no ``lm_head.weight`` uses the target's
+``lm_head`` likewise.
+
+Every checkpoint key must be used: the only keys a head may hold without the module using
+them are listed in ``EAGLE1_UNUSED`` / ``EAGLE3_UNUSED`` (embed_tokens is used by the loader
+itself; ``t2d`` is for training only; a full-vocabulary head's ``d2t`` is all zeros). An
+EAGLE-3 head's aux layer ids are checked against the target's layer count at load time.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -21,12 +29,15 @@ from rocdraft.backends.base import AttentionBackend
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import HeadConfig, read_config_json
 from rocdraft.models.eagle1 import Eagle1Head
-from rocdraft.models.eagle3 import Eagle3Head
+from rocdraft.models.eagle3 import Eagle3Head, resolve_aux_layer_ids
 from rocdraft.models.llama import LlamaForCausalLM
 from rocdraft.models.weights import StateDict, copy_weights, load_state_dict
 
 EAGLE1, EAGLE3 = "eagle1", "eagle3"
 DraftHead = Eagle1Head | Eagle3Head
+_ROTARY = "*.self_attn.rotary_emb.inv_freq"  # saved by old transformers; recomputed here
+EAGLE1_UNUSED = ("embed_tokens.weight", _ROTARY)
+EAGLE3_UNUSED = ("embed_tokens.weight", "t2d", _ROTARY)
 
 
 def detect_format(keys: Iterable[str]) -> str:
@@ -51,11 +62,13 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype,
     where = f"draft head {path}"
     if fmt == EAGLE1:
         head = _build_eagle1(config, state, target, dtype, device, attn_backend, where)
-        skip = ("embed_tokens.", "lm_head.")
+        skip, unused = ("embed_tokens.", "lm_head."), EAGLE1_UNUSED
     else:
         head = _build_eagle3(config, state, target, dtype, device, attn_backend, where)
-        skip = ("embed_tokens.",)
-    copy_weights(head, state, lambda name: name, skip=skip, where=where)
+        shared_lm_head = head.lm_head is target.lm_head
+        skip = ("embed_tokens.",) + (("lm_head.",) if shared_lm_head else ())
+        unused = EAGLE3_UNUSED + (("d2t",) if head.d2t is None else ())
+    copy_weights(head, state, lambda name: name, skip=skip, where=where, allowed_unused=unused)
     return head.eval().requires_grad_(False)
 
 
@@ -65,6 +78,12 @@ def _build_eagle1(config: HeadConfig, state: StateDict, target: LlamaForCausalLM
     if config.hidden_size != target_hidden:
         raise CheckpointError(f"{where}: EAGLE-1 hidden_size {config.hidden_size} does not match "
                               f"the target's hidden_size {target_hidden}")
+    biases = [k for k in sorted(state)
+              if re.fullmatch(r"layers\.\d+\.self_attn\.[qkv]_proj\.bias", k)]
+    if biases and not config.qkv_bias:
+        raise CheckpointError(f"{where}: the checkpoint has q/k/v biases ({', '.join(biases[:3])}"
+                              f"{', ...' if len(biases) > 3 else ''}) but config.json does not "
+                              f"say \"qkv_bias\": true")
     embed = _embedding(state, target, config.hidden_size, dtype, device, where)
     return Eagle1Head(config, attn_backend, embed, target.lm_head, dtype, device)
 
@@ -78,11 +97,28 @@ def _build_eagle3(config: HeadConfig, state: StateDict, target: LlamaForCausalLM
     if config.draft_vocab_size > target_vocab:
         raise CheckpointError(f"{where}: draft_vocab_size {config.draft_vocab_size} exceeds the "
                               f"target's vocab_size {target_vocab}")
+    try:
+        resolve_aux_layer_ids(config.aux_layer_ids, target.config.num_hidden_layers)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     has_map = config.draft_vocab_size != target_vocab
     if has_map:
         _check_d2t(state.get("d2t"), config.draft_vocab_size, target_vocab, where)
+    lm_head = None if "lm_head.weight" in state else _shared_lm_head(config, target, where)
     embed = _embedding(state, target, config.hidden_size, dtype, device, where)
-    return Eagle3Head(config, attn_backend, embed, target_hidden, has_map, dtype, device)
+    return Eagle3Head(config, attn_backend, embed, target_hidden, has_map, dtype, device,
+                      lm_head=lm_head)
+
+
+def _shared_lm_head(config: HeadConfig, target: LlamaForCausalLM, where: str) -> nn.Linear:
+    """The target's lm_head, for an EAGLE-3 head without lm_head.weight, when it fits."""
+    shared = list(target.lm_head.weight.shape)
+    expected = [config.draft_vocab_size, config.hidden_size]
+    if shared != expected:
+        raise CheckpointError(f"{where}: no lm_head.weight in the head, and the target's lm_head "
+                              f"{shared} cannot stand in for [draft_vocab_size, hidden_size] = "
+                              f"{expected}")
+    return target.lm_head
 
 
 def _check_d2t(d2t: torch.Tensor | None, draft_vocab: int, target_vocab: int,
@@ -90,6 +126,9 @@ def _check_d2t(d2t: torch.Tensor | None, draft_vocab: int, target_vocab: int,
     if d2t is None:
         raise CheckpointError(f"{where}: draft_vocab_size {draft_vocab} differs from the "
                               f"target's vocab_size {target_vocab} but there is no d2t map")
+    if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
+        raise CheckpointError(f"{where}: d2t has dtype {d2t.dtype}, expected an integer tensor "
+                              f"(int64)")
     if d2t.dim() != 1 or d2t.shape[0] != draft_vocab:
         raise CheckpointError(f"{where}: d2t has shape {list(d2t.shape)}, expected "
                               f"[draft_vocab_size] = [{draft_vocab}]")
@@ -111,6 +150,9 @@ def _embedding(state: StateDict, target: LlamaForCausalLM, hidden_size: int, dty
                                   f"{hidden_size} does not match the target's hidden_size "
                                   f"{shared.embedding_dim}")
         return shared
+    if not own.is_floating_point():
+        raise CheckpointError(f"{where}: weight embed_tokens.weight has dtype {own.dtype}, "
+                              f"expected a floating-point tensor")
     expected = [target.config.vocab_size, hidden_size]
     if list(own.shape) != expected:
         raise CheckpointError(f"{where}: weight embed_tokens.weight has shape {list(own.shape)}, "

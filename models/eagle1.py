@@ -8,7 +8,9 @@ hidden state at position i on the first draft step, the head's own output afterw
     output h (fed back); logits = target.lm_head(h)   (no final norm)
 
 Layers after the first (never seen in published heads) do have an input_layernorm, as in the
-reference implementation. ``embed_tokens`` and ``lm_head`` are the target's (shared modules).
+reference implementation. q/k/v have biases when the config says ``"qkv_bias": true`` (Qwen2
+heads), as the reference's ``cnets1.py`` builds them. ``embed_tokens`` and ``lm_head`` are the
+target's (shared modules).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ class Eagle1Layer(nn.Module):
                                 else None)
         self.self_attn = Attention(hidden, hidden, config.num_attention_heads,
                                    config.num_key_value_heads, config.head_dim, attn_backend,
-                                   **factory)
+                                   qkv_bias=config.qkv_bias, **factory)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
         self.mlp = GatedMLP(hidden, config.intermediate_size, **factory)
 

@@ -1,8 +1,11 @@
 """EAGLE-3 draft head (yuhuili/EAGLE3-*; architecture often renamed ``LlamaForCausalLMEagle3``).
 
 First draft step: the feature is ``g = fc(cat(aux_low, aux_mid, aux_high))`` over the
-residual-stream inputs of target layers (2, L//2, L-3) ([n, 3 * H_t] -> [n, H]); later steps
-feed back the head's own output. For token i with next token x_{i+1}::
+residual-stream inputs of three target layers ([n, 3 * H_t] -> [n, H]): those the config
+declares in ``eagle_aux_hidden_state_layer_ids``, else (2, L//2, L-3); either way
+concatenated from the lowest layer to the highest, as vLLM's target and the reference code
+collect them. Later steps feed back the head's own output. For token i with next token
+x_{i+1}::
 
     residual = g
     z = cat([input_layernorm(embed(x_{i+1})), hidden_norm(g)], -1)   # [n, 2H]
@@ -10,6 +13,8 @@ feed back the head's own output. For token i with next token x_{i+1}::
     h = h + mlp(post_attention_layernorm(h))                        # output, fed back
     logits = lm_head(norm(h))                                       # [n, draft_vocab]
     target id = draft id + d2t[draft id]                            # no map when full vocab
+
+A full-vocabulary head without its own ``lm_head.weight`` uses the target's ``lm_head``.
 """
 from __future__ import annotations
 
@@ -18,9 +23,39 @@ from torch import nn
 
 from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
-from rocdraft.models.config import HeadConfig
+from rocdraft.errors import CheckpointError
+from rocdraft.models.config import NUM_AUX_LAYERS, HeadConfig
 from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
 from rocdraft.models.rope import RotaryEmbedding
+
+
+def resolve_aux_layer_ids(declared: tuple[int, ...] | None, num_target_layers: int
+                          ) -> tuple[int, ...]:
+    """The head's declared aux layer ids (or 2, L//2, L-3 when None), sorted, checked against
+    a target with ``num_target_layers`` layers (CheckpointError naming the ids and the count).
+
+    Example: declared None, 32 layers -> (2, 16, 29); None, 3 layers -> (0, 1, 2); declared
+    (5, 2, 4), 8 layers -> (2, 4, 5). The defaults collide for 4 to 6 layers ((2, 3, 3) for 6),
+    where the reference code and vLLM would collect only two states: refused as well.
+    """
+    num = num_target_layers
+    if declared is None:
+        if num < NUM_AUX_LAYERS:
+            raise CheckpointError(f"EAGLE-3 needs a target with at least {NUM_AUX_LAYERS} layers "
+                                  f"(default aux layer ids 2, L//2, L-3), but the target has "
+                                  f"{num} layer(s)")
+        default = (2, num // 2, num - 3)
+        if len(set(default)) != NUM_AUX_LAYERS:
+            raise CheckpointError(f"EAGLE-3 default aux layer ids (2, L//2, L-3) = "
+                                  f"{list(default)} are not distinct for a target with {num} "
+                                  f"layers; declare eagle_aux_hidden_state_layer_ids in the "
+                                  f"head's config.json")
+        return tuple(sorted(default))
+    if len(set(declared)) != NUM_AUX_LAYERS or any(not 0 <= i < num for i in declared):
+        raise CheckpointError(f"EAGLE-3 eagle_aux_hidden_state_layer_ids {list(declared)} must "
+                              f"be {NUM_AUX_LAYERS} distinct layer ids in [0, {num}) for a target "
+                              f"with {num} layers")
+    return tuple(sorted(declared))
 
 
 class Eagle3MidLayer(nn.Module):
@@ -48,7 +83,8 @@ class Eagle3MidLayer(nn.Module):
 class Eagle3Head(nn.Module):
     def __init__(self, config: HeadConfig, attn_backend: type[AttentionBackend],
                  embed_tokens: nn.Embedding, target_hidden_size: int, has_vocab_map: bool,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 lm_head: nn.Linear | None = None) -> None:
         super().__init__()
         factory = dict(device=device, dtype=dtype)
         hidden = config.hidden_size
@@ -57,7 +93,9 @@ class Eagle3Head(nn.Module):
         self.fc = nn.Linear(3 * target_hidden_size, hidden, bias=False, **factory)
         self.midlayer = Eagle3MidLayer(config, attn_backend, **factory)
         self.norm = RMSNorm(hidden, config.rms_norm_eps, **factory)
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False, **factory)
+        # [draft_vocab, H]: the head's own, or the target's (full vocab, none in the checkpoint)
+        self.lm_head = (lm_head if lm_head is not None else
+                        nn.Linear(hidden, config.draft_vocab_size, bias=False, **factory))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                           device, first_row_of_mrope=True)
         # d2t [draft_vocab] int64: target id = draft id + d2t[draft id].
@@ -70,11 +108,7 @@ class Eagle3Head(nn.Module):
 
     def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
         """Target layers whose residual-stream inputs feed ``fc``, low to high."""
-        num = num_target_layers
-        if num < 3:
-            raise ValueError(f"EAGLE-3 needs a target with >= 3 layers (aux ids 2, L//2, L-3), "
-                             f"got {num}")
-        return (2, num // 2, num - 3)
+        return resolve_aux_layer_ids(self.config.aux_layer_ids, num_target_layers)
 
     def combine_hidden_states(self, target_hidden) -> torch.Tensor:
         """aux tuple of [n, H_t] (low to high) or their concatenation [n, 3 * H_t] -> [n, H]."""

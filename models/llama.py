@@ -6,6 +6,7 @@ mlp.{gate,up,down}_proj}.*``, ``model.norm.weight``, ``lm_head.weight`` (absent 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
+from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
 from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
 from rocdraft.models.rope import RotaryEmbedding
@@ -111,6 +113,25 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device | str
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives the two tied names separate storage
     model.rotary_emb.reset_inv_freq()
+    where = f"target checkpoint {path}"
+    _check_layer_count(state, config.num_hidden_layers, where)
     skip = ("lm_head.",) if config.tie_word_embeddings else ()
-    copy_weights(model, state, _checkpoint_key, skip=skip, where=f"target checkpoint {path}")
+    copy_weights(model, state, _checkpoint_key, skip=skip, where=where,
+                 allowed_unused=_ALLOWED_UNUSED + (("lm_head.weight",) if skip else ()))
     return model.eval().requires_grad_(False)
+
+
+# Checkpoint keys a target may hold that the model does not use: rotary inverse frequencies
+# saved by older transformers versions (recomputed from the config here). With tied
+# embeddings, a stored lm_head.weight is ignored (transformers ties it to embed_tokens too).
+_ALLOWED_UNUSED = ("model.layers.*.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq")
+
+
+def _check_layer_count(state: dict[str, torch.Tensor], num_hidden_layers: int,
+                       where: str) -> None:
+    """CheckpointError when the checkpoint has layers beyond config's num_hidden_layers."""
+    found = {int(m.group(1)) for k in state if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    if found and max(found) >= num_hidden_layers:
+        raise CheckpointError(f"{where}: config.json says num_hidden_layers "
+                              f"{num_hidden_layers} but the checkpoint has weights for layer(s) "
+                              f"up to model.layers.{max(found)} ({len(found)} layers)")

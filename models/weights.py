@@ -6,10 +6,21 @@ Files looked for in a checkpoint directory, first match wins:
 2. ``model.safetensors``;
 3. any other ``*.safetensors`` (all of them);
 4. ``pytorch_model.bin.index.json`` (sharded .bin);
-5. ``pytorch_model.bin`` (``torch.load(weights_only=True)`` only: no pickled code runs).
+5. ``pytorch_model.bin`` (``torch.load(weights_only=True)`` only: no pickled code runs; a file
+   holding anything but tensors is refused in one line, with torch's warnings silenced).
+
+``copy_weights`` is strict both ways: every module weight must be in the checkpoint with its
+shape and a compatible dtype (floating for floating weights, integer for integer buffers such
+as EAGLE-3's ``d2t``), and every checkpoint key must be used or named by the caller as
+legitimately unused (rotary ``inv_freq`` buffers, EAGLE-3's ``t2d``...), so a config that
+describes fewer layers than the checkpoint holds is refused rather than half-loaded.
 """
 from __future__ import annotations
 
+import fnmatch
+import pickle
+import re
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -63,39 +74,84 @@ def load_state_dict(path: str | Path) -> StateDict:
             except Exception as e:  # truncated or corrupt file (SafetensorError, OSError)
                 raise CheckpointError(f"cannot read {file}: {e}") from None
             continue
-        try:
-            loaded = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as e:  # unpickling refused or corrupt file
-            raise CheckpointError(f"cannot read {file} with torch.load(weights_only=True): "
-                                  f"{e}") from None
+        loaded = _load_bin(file)
         if not isinstance(loaded, dict):
             raise CheckpointError(f"{file} does not hold a state dict")
+        odd = sorted(str(k) for k, v in loaded.items() if not isinstance(v, torch.Tensor))
+        if odd:
+            raise CheckpointError(f"{file} holds {len(odd)} non-tensor entr"
+                                  f"{'y' if len(odd) == 1 else 'ies'}: {_shown(odd)}")
         state.update(loaded)
     return state
 
 
+def _load_bin(file: Path) -> object:
+    """``torch.load(file, weights_only=True)`` with torch's advice and warnings kept out."""
+    try:
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4 in the checkpoint"
+            warnings.simplefilter("ignore")
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's message suggests weights_only=False
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        what = f" (such as {found.group(1)})" if found else ""
+        raise CheckpointError(f"{file} holds objects other than tensors{what} or is not a "
+                              f"torch checkpoint; rocdraft will not unpickle it, since that can "
+                              f"run arbitrary code: convert it to safetensors "
+                              f"(safetensors.torch.save_file) where you trust it") from None
+    except Exception as e:  # truncated or corrupt zip archive
+        detail = " ".join(str(e).split())
+        raise CheckpointError(f"cannot read {file} with torch.load(weights_only=True): "
+                              f"{detail}") from None
+
+
+def _shown(keys: list[str], limit: int = 4) -> str:
+    """``a, b, c, d (+N more)``: the first ``limit`` keys of ``keys``."""
+    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def _check_dtype(key: str, source: torch.Tensor, target: torch.Tensor, where: str) -> None:
+    """A floating weight needs a floating tensor; an integer buffer an integer one."""
+    if target.is_floating_point():
+        if not source.is_floating_point():
+            raise CheckpointError(f"{where}: weight {key} has dtype {source.dtype}, expected a "
+                                  f"floating-point tensor (float32, float16 or bfloat16)")
+    elif source.is_floating_point() or source.is_complex() or source.dtype == torch.bool:
+        raise CheckpointError(f"{where}: tensor {key} has dtype {source.dtype}, expected an "
+                              f"integer tensor ({target.dtype})")
+
+
 def copy_weights(module: nn.Module, state: StateDict, checkpoint_key: Callable[[str], str],
-                 skip: Iterable[str] = (), where: str = "checkpoint") -> None:
+                 skip: Iterable[str] = (), where: str = "checkpoint",
+                 allowed_unused: Iterable[str] = ()) -> None:
     """Copy ``state`` into every parameter and persistent buffer of ``module``.
 
     ``checkpoint_key(name)`` maps a module name (``layers.0.mlp.up_proj.weight``) to its key in
     the checkpoint; names starting with a prefix in ``skip`` are left alone (shared or tied
-    weights). Every other name must be present with the same shape (CheckpointError naming the
-    key and both shapes); keys the module does not use (rotary ``inv_freq``...) are ignored.
+    weights). Every other name must be present with the same shape and a compatible dtype
+    (CheckpointError naming the key and both shapes, or the dtype). Every checkpoint key must
+    be copied or match one of the ``allowed_unused`` fnmatch patterns (keys the caller uses
+    itself or that are legitimately ignored); others are refused, naming a few and the count.
     """
-    skip = tuple(skip)
+    skip, allowed_unused = tuple(skip), tuple(allowed_unused)
     targets = {name: t for name, t in module.state_dict(keep_vars=True).items()
                if not name.startswith(skip)}
     missing = [checkpoint_key(n) for n in targets if checkpoint_key(n) not in state]
     if missing:
-        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8
-                                          else "")
-        raise CheckpointError(f"{where}: missing weight(s) {shown}")
+        raise CheckpointError(f"{where}: missing weight(s) {_shown(missing, 8)}")
+    used = {checkpoint_key(n) for n in targets}
+    unexpected = sorted(k for k in state if k not in used and not any(
+        fnmatch.fnmatchcase(k, pattern) for pattern in allowed_unused))
+    if unexpected:
+        raise CheckpointError(f"{where}: {len(unexpected)} unexpected weight(s) the model does "
+                              f"not use: {_shown(unexpected)} (does config.json describe this "
+                              f"checkpoint?)")
     for name, target in targets.items():
         key = checkpoint_key(name)
         source = state[key]
         if tuple(source.shape) != tuple(target.shape):
             raise CheckpointError(f"{where}: weight {key} has shape {list(source.shape)}, "
                                   f"expected {list(target.shape)}")
+        _check_dtype(key, source, target, where)
         with torch.no_grad():
             target.copy_(source.to(target.dtype))

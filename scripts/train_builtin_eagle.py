@@ -214,6 +214,9 @@ def save_head(head, cfg, out: Path):
     sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()
           if k not in ("d2t_ids",)}
     if head.kind == "eagle3":
+        # The config has target_hidden_size, so SafeAILab/EAGLE (eagle/model/cnets.py) takes
+        # the embeddings from the head file, not the target: store the target's (frozen) copy.
+        sd["embed_tokens.weight"] = head.embed.detach().to(torch.bfloat16).contiguous()
         ids = head.d2t_ids
         sd["d2t"] = (ids - torch.arange(ids.numel())).to(torch.int64)
         t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)

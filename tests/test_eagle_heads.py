@@ -301,5 +301,10 @@ def test_missing_or_misshapen_head_weight_is_named(dirs, targets, tmp_path):
 def test_eagle3_aux_ids_need_three_layers(dirs, targets):
     head = load_draft(dirs["e3"], targets["deep"], torch.float32, "cpu", SDPA)
     assert head.aux_layer_ids(32) == (2, 16, 29)
-    with pytest.raises(ValueError, match=">= 3 layers"):
+    with pytest.raises(CheckpointError, match=r"at least 3 layers .* the target has 2 layer"):
         head.aux_layer_ids(2)
+    assert head.aux_layer_ids(3) == (0, 1, 2)  # low to high, as vLLM and the reference collect
+    for num in (4, 5, 6):  # (2, 2, 1), (2, 2, 2), (2, 3, 3)
+        with pytest.raises(CheckpointError, match=rf"not distinct for a target with {num} layers"):
+            head.aux_layer_ids(num)
+    assert head.aux_layer_ids(7) == (2, 3, 4)

@@ -149,6 +149,51 @@ def test_head_config_defaults():
         HeadConfig.from_dict(dict(raw, draft_vocab_size=200))
 
 
+HEAD = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 160}
+
+
+def test_head_config_qkv_bias_defaults_to_false():
+    """SafeAILab/EAGLE eagle/model/cnets1.py: q/k/v get biases only when the config has
+    ``qkv_bias`` (and then as it says)."""
+    assert not HeadConfig.from_dict(HEAD).qkv_bias
+    assert HeadConfig.from_dict(dict(HEAD, qkv_bias=True)).qkv_bias
+    assert not HeadConfig.from_dict(dict(HEAD, qkv_bias=False)).qkv_bias
+
+
+def test_head_config_reads_aux_layer_ids_where_vllm_does():
+    """vLLM's gpu_model_runner (_get_eagle3_aux_layers_from_config) reads
+    ``eagle_aux_hidden_state_layer_ids`` at the top level, else under ``eagle_config``."""
+    assert HeadConfig.from_dict(HEAD).aux_layer_ids is None
+    top = dict(HEAD, eagle_aux_hidden_state_layer_ids=[1, 7, 12])
+    assert HeadConfig.from_dict(top).aux_layer_ids == (1, 7, 12)
+    nested = dict(HEAD, eagle_config={"eagle_aux_hidden_state_layer_ids": [3, 4, 5]})
+    assert HeadConfig.from_dict(nested).aux_layer_ids == (3, 4, 5)
+    both = dict(top, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 7, 12]})
+    assert HeadConfig.from_dict(both).aux_layer_ids == (1, 7, 12)
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    ({"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}, r"3 distinct target layer ids >= 0, "
+                                                      r"got \[1, 1, 2\]"),
+    ({"eagle_aux_hidden_state_layer_ids": [1, 2]}, r"got \[1, 2\]"),
+    ({"eagle_aux_hidden_state_layer_ids": [-1, 2, 3]}, r"got \[-1, 2, 3\]"),
+    ({"eagle_aux_hidden_state_layer_ids": [1.5, 2, 3]}, r"got \[1.5, 2, 3\]"),
+    ({"eagle_aux_hidden_state_layer_ids": []}, r"got \[\]"),
+    ({"eagle_aux_hidden_state_layer_ids": 5}, r"must be a list of 3 layer ids, got 5"),
+    ({"eagle_aux_hidden_state_layer_ids": 5, "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, r"must be a list of 3 layer ids, got 5"),
+    ({"eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+      "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}}, "disagree"),
+    ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state False"),
+    ({"eagle_config": [1]}, "eagle_config must be a dict"),
+])
+def test_head_config_bad_aux_layer_ids_are_named(changes, pattern):
+    with pytest.raises(CheckpointError, match=pattern):
+        HeadConfig.from_dict(dict(HEAD, **changes))
+
+
 def test_config_json_must_be_object(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps([1, 2]))
     with pytest.raises(CheckpointError, match="JSON object"):

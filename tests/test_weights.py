@@ -1,8 +1,11 @@
 """models/weights.py and load_target: every checkpoint layout, and every bad input named."""
 from __future__ import annotations
 
+import collections
 import json
+import pickle
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -90,16 +93,76 @@ def test_dtype_conversion(tiny):
 def test_bin_is_loaded_with_weights_only(tiny, copy_of):
     d = copy_of()
     torch.save({"model.norm.weight": torch.ones(3), "evil": shutil.copy}, d / "pytorch_model.bin")
-    with pytest.raises(CheckpointError, match="weights_only=True"):
+    with pytest.raises(CheckpointError, match=r"holds objects other than tensors \(such as "
+                                              r"shutil\.copy\).*will not unpickle.*safetensors"):
         load_state_dict(d)
 
 
-def test_unexpected_keys_are_ignored(tiny, copy_of):
+def test_refused_pickle_is_one_line_without_torchs_advice_or_warnings(copy_of, capfd):
+    """A plain pickle (protocol 4) makes torch warn in two lines and advise weights_only=False;
+    rocdraft says in one line that it will not unpickle it, and nothing is printed."""
+    d = copy_of()
+    with open(d / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"model.norm.weight": collections.Counter()}, f, protocol=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError) as info:
+            load_state_dict(d)
+    message = str(info.value)
+    assert "\n" not in message and "weights_only=False" not in message
+    assert "holds objects other than tensors" in message and "safetensors" in message
+    assert caught == [] and capfd.readouterr() == ("", "")
+
+
+def test_bin_with_non_tensor_entries_is_refused(tiny, copy_of):
+    d = copy_of()
+    torch.save({**_reference_state(tiny), "step": 3}, d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"holds 1 non-tensor entry: step"):
+        load_state_dict(d)
+
+
+def test_rotary_inv_freq_is_allowed_and_other_unused_keys_are_refused(tiny, copy_of):
     d = copy_of()
     state = _reference_state(tiny)
     state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     save_file(state, str(d / "model.safetensors"))
     load_target(d, torch.float32, "cpu", SDPA)
+    state.update({f"model.extra.{i}.weight": torch.ones(2) for i in range(6)})
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"6 unexpected weight\(s\) the model does not "
+                                              r"use: model\.extra\.0\.weight, .* \(\+2 more\)"):
+        load_target(d, torch.float32, "cpu", SDPA)
+
+
+def test_config_with_fewer_layers_than_the_checkpoint_is_refused(tiny, copy_of):
+    d = copy_of(with_weights=True)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers 2 but the checkpoint has "
+                                              r"weights for layer\(s\) up to model\.layers\.2 "
+                                              r"\(3 layers\)"):
+        load_target(d, torch.float32, "cpu", SDPA)
+
+
+def test_tied_checkpoint_may_store_lm_head(tmp_path):
+    tied = write_tiny_llama(tmp_path / "tied", kind="llama3", tokenizer=False)
+    state = load_file(str(tied / "model.safetensors"))
+    assert "lm_head.weight" not in state
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(tied / "model.safetensors"))
+    model = load_target(tied, torch.float32, "cpu", SDPA)
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.int64])
+def test_non_floating_weight_is_refused_by_key_and_dtype(tiny, copy_of, dtype):
+    d = copy_of()
+    state = _reference_state(tiny)
+    state["model.layers.1.mlp.up_proj.weight"] = torch.ones(128, 64, dtype=dtype)
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"weight model\.layers\.1\.mlp\.up_proj\.weight "
+                                              rf"has dtype {dtype}, expected a floating-point"):
+        load_target(d, torch.float32, "cpu", SDPA)
 
 
 def test_missing_weight_is_named(tiny, copy_of):
