@@ -267,3 +267,145 @@ class PagedBatch:
         metadata = backend.builder_cls(device).build(common)
         return (torch.tensor(ids, dtype=torch.int64, device=device), positions.to(device),
                 metadata, last)
+
+
+# --- "cyclic" pairs: heads that are right often but not always ---------------------------
+#
+# Random heads never agree with a random target (acceptance length exactly 1), so a
+# lossless test passes without exercising the accept path. A cyclic target mostly follows a
+# fixed successor map: its residual stream is the current token's embedding plus scaled-down
+# random layers (``noise``), and its lm_head row for token y is the embedding of the token
+# whose successor y is, so greedy decoding follows ``successor`` except where the context
+# (the noise) overrules it. Cyclic heads draft ``successor(next token)``: they are right
+# whenever the target follows the map and wrong where it does not (and, for EAGLE-3, where the
+# successor is outside the draft vocabulary).
+
+
+def successor_map(target_dir: str | Path) -> torch.Tensor:
+    """[vocab] int64: the token a cyclic target's lm_head prefers after each token."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(target_dir) / "model.safetensors"))
+    embed, lm_head = state["model.embed_tokens.weight"], state["lm_head.weight"]
+    return (embed @ lm_head.T).argmax(dim=1)
+
+
+def write_cyclic_llama(directory: str | Path, seed: int = 0, noise: float = 1.1,
+                       sharpness: float = 16.0, **overrides) -> Path:
+    """A tiny untied llama (4 layers: few, so the Triton interpreter stays quick) whose greedy
+    next token is mostly a fixed random permutation of the current token (see above). ``noise``
+    scales every layer's o_proj and down_proj (0: always the permutation; 1.1 follows it about
+    70% of the time); ``sharpness`` is the logit of the permutation's token before the noise.
+    ``overrides`` as for ``write_tiny_llama``."""
+    from safetensors.torch import load_file, save_file
+
+    directory = write_tiny_llama(directory, kind="llama", seed=seed,
+                                 **{"num_hidden_layers": 4, **overrides})
+    path = directory / "model.safetensors"
+    state = load_file(str(path))
+    g = torch.Generator().manual_seed(seed + 1)
+    embed = state["model.embed_tokens.weight"]
+    vocab, hidden = embed.shape
+    perm = torch.randperm(vocab, generator=g)
+    inverse = torch.empty_like(perm).index_copy_(0, perm, torch.arange(vocab))
+    for key in state:
+        if key.endswith(("o_proj.weight", "down_proj.weight")):
+            state[key] = state[key] * noise
+    state["model.norm.weight"] = torch.ones(hidden)
+    # logits[y] = sharpness * cos(embed[inverse[y]], final hidden), |embed| ~ sqrt(hidden).
+    state["lm_head.weight"] = sharpness * embed[inverse] / hidden
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+    return directory
+
+
+def write_cyclic_eagle1_head(directory: str | Path, target_dir: str | Path, seed: int = 0,
+                             noise: float = 0.2, fmt: str = "bin") -> Path:
+    """An EAGLE-1 head (``write_eagle1_head``'s keys) for a cyclic target: ``fc`` passes the
+    next token's embedding through (plus ``noise`` times the feature), the layer adds
+    ``noise``-scaled random attention and MLP outputs, so the target's lm_head on the output
+    mostly picks the successor of the next token."""
+    directory = write_eagle1_head(directory, target_dir, seed=seed, bias=True, fmt=fmt)
+    path = directory / ("pytorch_model.bin" if fmt == "bin" else "model.safetensors")
+    state = _load_head(path)
+    hidden = state["fc.weight"].shape[0]
+    g = torch.Generator().manual_seed(seed + 1)
+    state["fc.weight"] = torch.cat([torch.eye(hidden),
+                                    noise * _linear(g, hidden, hidden)], dim=1)
+    state["fc.bias"] = torch.zeros(hidden)
+    for key in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+        state[key] = state[key] * noise
+    _save(directory, state, fmt)
+    return directory
+
+
+def write_cyclic_eagle3_head(directory: str | Path, target_dir: str | Path, seed: int = 0,
+                             draft_vocab_size: int | None = None, noise: float = 0.05,
+                             fmt: str = "safetensors") -> Path:
+    """An EAGLE-3 head (``write_eagle3_head``'s keys, d2t over ``draft_vocab_size``, default
+    90% of the vocab) for a cyclic target. The attention is sharp self-attention on the next
+    token's embedding, its value a 32-d code of that token; the value read from the fed-back
+    hidden state cancels the residual (so later draft steps do not accumulate the earlier
+    tokens' codes); lm_head row d is the code of the token whose successor is draft id d.
+    Drafts: the successor of the next token when it is in the draft vocabulary."""
+    target_dir = Path(target_dir)
+    target = json.loads((target_dir / "config.json").read_text())
+    vocab = target["vocab_size"]
+    draft_vocab = draft_vocab_size or (9 * vocab) // 10
+    directory = write_eagle3_head(directory, target_dir, seed=seed,
+                                  draft_vocab_size=draft_vocab, fmt=fmt)
+    path = directory / ("pytorch_model.bin" if fmt == "bin" else "model.safetensors")
+    state = _load_head(path)
+    _, embed = _target_parts(target_dir)
+    hidden, head_dim = target["hidden_size"], target["head_dim"]
+    heads, kv_heads = target["num_attention_heads"], target["num_key_value_heads"]
+    code = kv_heads * head_dim  # the value space, [code] per token
+    g = torch.Generator().manual_seed(seed + 1)
+    basis = torch.linalg.qr(torch.randn(hidden, hidden, generator=g))[0]  # orthonormal
+    out_basis = basis[:, :code]  # [H, code]: o_proj writes, v_proj reads this subspace
+    value_rows = out_basis.T  # [code, H]
+    keys = _linear(g, code, hidden)
+    zeros = torch.zeros(code, hidden)
+    state["midlayer.self_attn.k_proj.weight"] = torch.cat([keys, zeros], dim=1)
+    group = heads // kv_heads
+    query_rows = torch.cat([keys[(h // group) * head_dim:(h // group + 1) * head_dim]
+                            for h in range(heads)])
+    state["midlayer.self_attn.q_proj.weight"] = torch.cat(
+        [8.0 * query_rows, torch.zeros(heads * head_dim, hidden)], dim=1)
+    # o_proj reads each kv head's value once (the group's query heads share it).
+    o_proj = torch.zeros(hidden, heads * head_dim)
+    for h in range(heads):
+        kv = h // group
+        o_proj[:, h * head_dim:(h + 1) * head_dim] = \
+            out_basis[:, kv * head_dim:(kv + 1) * head_dim] / group
+    state["midlayer.self_attn.o_proj.weight"] = o_proj
+    for name in ("input_layernorm", "hidden_norm"):
+        state[f"midlayer.{name}.weight"] = torch.ones(hidden)
+    state["norm.weight"] = torch.ones(hidden)
+    normed = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + target["rms_norm_eps"])
+    codes = normed @ value_rows.T @ out_basis.T  # [vocab, H]: the attention output per token
+    # The hidden-state value maps norm(g) back to -g for |g| near the typical code norm.
+    scale = codes.norm(dim=1).mean() / hidden ** 0.5
+    state["midlayer.self_attn.v_proj.weight"] = torch.cat([value_rows, -scale * value_rows],
+                                                          dim=1)
+    state["fc.weight"] = torch.zeros(hidden, 3 * hidden)
+    state["midlayer.mlp.down_proj.weight"] = noise * state["midlayer.mlp.down_proj.weight"]
+    kept = torch.arange(draft_vocab) + state["d2t"]
+    inverse = torch.empty(vocab, dtype=torch.int64).index_copy_(
+        0, successor_map(target_dir), torch.arange(vocab))
+    unit = codes / codes.pow(2).mean(-1, keepdim=True).sqrt()
+    state["lm_head.weight"] = 12.0 * unit[inverse[kept]] / hidden
+    _save(directory, state, fmt)
+    # The cyclic target is shallow: (2, L//2, L-3) would repeat a layer, so declare the ids
+    # (vLLM's key); ``fc`` is zero, so which layers they are does not change the drafts.
+    layers = target["num_hidden_layers"]
+    config = json.loads((directory / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [layers - 3, layers - 2, layers - 1]
+    _write_json(directory / "config.json", config)
+    return directory
+
+
+def _load_head(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".bin":
+        return torch.load(path, weights_only=True)
+    from safetensors.torch import load_file
+    return load_file(str(path))

@@ -64,9 +64,10 @@ def pair(tmp_path_factory):
             "eagle3": str(write_eagle3_head(root / "eagle3", target))}
 
 
-def _run_until_drafting(llm: LLM):
-    """Drive the engine until a step verifies drafts with rejections; return the pieces the
-    drafter receives in the step after (batch, sampled, hidden)."""
+def _run_until_drafting(llm: LLM, accept: list[int] | None = None):
+    """Drive the engine until a step verifies drafts; return the pieces the drafter receives
+    in the step after (batch, sampled, hidden). Row i accepts its first ``accept[i]`` drafts
+    and then emits the target's token (default: every draft rejected)."""
     scheduler = Scheduler(llm.scheduler_config)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for i, prompt in enumerate([[1, 5, 7, 9], [1, 2], list(range(1, 20))]):
@@ -84,7 +85,13 @@ def _run_until_drafting(llm: LLM):
     out = llm.target(batch.input_ids, batch.positions, llm.kv_caches, meta, aux_layer_ids=aux)
     logits = llm.target.compute_logits(out.hidden_states[batch.sample_indices.view(-1)])
     sampled = logits.view(len(scheduled), batch.max_drafts + 1, -1).argmax(-1)
-    sampled[:, 1:] = -1  # reject every draft: the padded path must skip those tokens
+    ends = batch.common.query_start_loc_cpu[1:].tolist()
+    for row, num_accepted in enumerate(accept or [0] * len(scheduled)):
+        num = batch.num_draft_tokens_cpu[row]
+        num_accepted = min(num_accepted, num)
+        drafts = batch.input_ids[ends[row] - num:ends[row]]
+        sampled[row, :num_accepted] = drafts[:num_accepted]
+        sampled[row, num_accepted + 1:] = -1  # rejected: the padded path must skip them
     hidden = out.aux_hidden_states if aux else out.hidden_states
     return batch, sampled, hidden
 
@@ -108,6 +115,50 @@ def test_padded_path_has_zero_host_syncs(pair, method):
                                   batch.common, llm.draft_kv_caches, num_rejected=rejected)
     assert counter.syncs == []
     assert drafts.shape == (batch.common.num_reqs, 4)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_padded_and_unpadded_paths_propose_the_same_drafts_under_rejections(pair, method):
+    """Rows that reject 4, 2 and 0 of their 4 drafts: the padded path (rejected tokens left
+    in the batch, their KV written; the draft steps must attend over seq_lens - num_rejected
+    only) proposes exactly the unpadded path's drafts (rejected tokens dropped on the host)."""
+    llm = LLM(pair["target"], draft=pair[method],
+              speculative_config=SpeculativeConfig(method, num_speculative_tokens=4))
+    accept = [0, 2, 4]
+    batch, sampled, hidden = _run_until_drafting(llm, accept)
+    assert batch.num_draft_tokens_cpu == [4, 4, 4]
+    proposer, caches = llm.proposer, llm.draft_kv_caches
+    saved = [(c.key.clone(), c.value.clone()) for c in caches]
+
+    next_ids, _, indices, rejected = proposer.prepare_padded(
+        sampled, batch.discard_request, batch.backup_next_token_ids, batch.common,
+        batch.num_draft_tokens)
+    assert rejected.tolist() == [4, 2, 0]
+    padded = proposer.propose(batch.input_ids, batch.positions, hidden, next_ids, indices,
+                              batch.common, caches, num_rejected=rejected)
+
+    for cache, (key, value) in zip(caches, saved):
+        cache.key.copy_(key)
+        cache.value.copy_(value)
+    num_rejected = torch.tensor([4 - a for a in accept], dtype=torch.int32)
+    common, kept = proposer.prepare_inputs(batch.common, num_rejected)
+    lens = (batch.common.query_start_loc_cpu.diff() - num_rejected).tolist()
+    assert common.query_start_loc_cpu.tolist() == [0, lens[0], lens[0] + lens[1], sum(lens)]
+    assert common.query_start_loc.tolist() == common.query_start_loc_cpu.tolist()
+    assert (common.num_actual_tokens, common.max_query_len) == (sum(lens), max(lens))
+    assert kept.shape == (sum(lens),)
+    seq_lens = (batch.common.seq_lens_cpu - num_rejected).tolist()
+    assert common.seq_lens.tolist() == common.seq_lens_cpu.tolist() == seq_lens
+    assert common.max_seq_len == max(seq_lens)
+    assert torch.equal(common.slot_mapping, batch.common.slot_mapping[kept])
+    host_next = proposer.prepare_next_token_ids_cpu(
+        sampled.tolist(), batch.discard_request.tolist(), batch.backup_next_token_ids.tolist())
+    assert host_next == next_ids.tolist()
+    kept_hidden = tuple(h[kept] for h in hidden) if isinstance(hidden, tuple) else hidden[kept]
+    unpadded = proposer.propose(batch.input_ids[kept], batch.positions[..., kept], kept_hidden,
+                                torch.tensor(host_next), (common.query_start_loc[1:] - 1).long(),
+                                common, caches)
+    assert padded.tolist() == unpadded.tolist()
 
 
 def test_k1_returns_one_draft_per_request(pair):
@@ -221,3 +272,137 @@ def test_mrope_positions_advance_per_row_and_clamp():
     assert step1.tolist() == [[9, 11], [9, 11], [7, 9]]
     # Request 1 reaches max_model_len 12 at step 2: all three rows clamp to 0.
     assert step2.tolist() == [[10, 0], [10, 0], [8, 0]]
+
+
+def _toy_common(num_tokens_per_req: list[int]):
+    from rocdraft.backends.metadata import CommonAttentionMetadata
+
+    qsl = [0]
+    for n in num_tokens_per_req:
+        qsl.append(qsl[-1] + n)
+    batch = len(num_tokens_per_req)
+    block_table = torch.arange(batch * 3, dtype=torch.int32).view(batch, 3)
+    seq_lens = [8 + n for n in num_tokens_per_req]
+    return CommonAttentionMetadata.from_cpu(qsl, seq_lens, block_table,
+                                            torch.arange(qsl[-1]), "cpu")
+
+
+def test_propose_refuses_batches_larger_than_its_buffers():
+    """Too many tokens, or too many requests: each alone is refused."""
+    proposer = EagleProposer(_ToyMRopeHead(), TorchSDPABackend, 2, 4, 2, 12, 4, 5, "cpu")
+
+    def propose(num_tokens_per_req):
+        n, b = sum(num_tokens_per_req), len(num_tokens_per_req)
+        last = torch.tensor(num_tokens_per_req).cumsum(0) - 1
+        return proposer.propose(torch.ones(n, dtype=torch.long), torch.arange(n) + 8,
+                                torch.zeros(n, 2), torch.ones(b, dtype=torch.long), last,
+                                _toy_common(num_tokens_per_req), [])
+
+    assert propose([2, 2]).shape == (2, 2)
+    with pytest.raises(RocdraftError, match="5 tokens / 2 requests exceeds"):
+        propose([3, 2])
+    with pytest.raises(RocdraftError, match="3 tokens / 3 requests exceeds"):
+        propose([1, 1, 1])
+
+
+def test_draft_steps_write_into_the_given_buffer():
+    """The graph runner passes its static output buffer: the steps must fill it."""
+    proposer = EagleProposer(_ToyMRopeHead(), TorchSDPABackend, 3, 16, 4, 64, 4, 5, "cpu")
+    block_table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    args = (torch.tensor([1, 2]), torch.tensor([5, 7]), torch.tensor([6, 8], dtype=torch.int32),
+            torch.tensor([[1.0, 0.0], [3.0, 0.0]]), block_table, [], 8)
+    expected = proposer.draft_steps(*args)
+    out = torch.full((2, 2), -7, dtype=torch.long)
+    got = proposer.draft_steps(*args, out=out)
+    assert expected.tolist() == [[2, 3], [4, 0]]
+    assert got.data_ptr() == out.data_ptr()
+    assert out.tolist() == expected.tolist()
+
+
+def test_prepare_next_token_ids_cpu_keeps_token_zero_and_uses_the_backup():
+    sampled = [[0, -1, -1], [5, 0, -1], [7, 8, 9], [3, -1, -1]]
+    got = EagleProposer.prepare_next_token_ids_cpu(sampled, [False, False, False, True],
+                                                   [11, 12, 13, 14])
+    assert got == [0, 0, 9, 14]
+
+
+def _one_request_common(num_tokens: int, block_table: torch.Tensor, block_size: int):
+    from rocdraft.backends.kv_cache import compute_slot_mapping
+    from rocdraft.backends.metadata import CommonAttentionMetadata
+
+    positions = torch.arange(num_tokens)
+    slots = compute_slot_mapping(block_table, torch.zeros(num_tokens, dtype=torch.long),
+                                 positions, block_size)
+    return CommonAttentionMetadata.from_cpu([0, num_tokens], [num_tokens], block_table, slots,
+                                            "cpu")
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_chain_drafts_equal_a_dense_recomputation(pair, method):
+    """The k chained drafts (first forward over the context, then k - 1 paged single-token
+    steps) equal recomputing each draft from scratch: one causal forward over the context
+    plus the drafts so far, fed the head's own outputs as features, on a fresh cache."""
+    k = 4
+    llm = LLM(pair["target"], draft=pair[method],
+              speculative_config=SpeculativeConfig(method, num_speculative_tokens=k))
+    head, proposer = llm.head, llm.proposer
+    block_size = proposer.block_size
+    width = -(-proposer.max_model_len // block_size)
+    block_table = torch.arange(width, dtype=torch.int32).flip(0).view(1, -1)
+    layers, kv_heads, head_dim = head.kv_cache_spec()
+
+    def fresh_caches():
+        return allocate_kv_cache(layers, width, block_size, kv_heads, head_dim, torch.float32,
+                                 "cpu")
+
+    g = torch.Generator().manual_seed(3)
+    n, hidden_size = 21, llm.target.config.hidden_size
+    ids = torch.randint(3, 160, (n,), generator=g)
+    num_features = 3 if method == "eagle3" else 1
+    features = tuple(torch.randn(n, hidden_size, generator=g) for _ in range(num_features))
+    features = features if method == "eagle3" else features[0]
+    next_id = torch.tensor([17])
+    drafts = proposer.propose(ids, torch.arange(n), features, next_id, torch.tensor([n - 1]),
+                              _one_request_common(n, block_table, block_size), fresh_caches())
+
+    tokens = torch.cat([ids[1:], next_id])  # each position reads the next token
+    inputs = head.combine_hidden_states(features)  # [n, H]
+    expected = []
+    for _ in range(k):
+        m = tokens.shape[0]
+        common = _one_request_common(m, block_table, block_size)
+        out = head(tokens, torch.arange(m), inputs, fresh_caches(),
+                   proposer.builder.build(common))
+        draft = head.draft_to_target(head.compute_draft_logits(out[-1:]).argmax(-1))
+        expected.append(int(draft))
+        tokens = torch.cat([tokens, draft])
+        inputs = torch.cat([inputs, out[-1:]])
+    assert drafts.tolist() == [expected]
+
+
+def test_draft_step_metadata_is_one_query_token_per_request(monkeypatch):
+    """What every draft step hands the attention builder: query_start_loc [0..B] (device and
+    host), one token per request, max_query_len 1, the step's seq_lens (+1 per step) and a
+    host bound that covers them."""
+    proposer = EagleProposer(_ToyMRopeHead(), TorchSDPABackend, 3, 16, 4, 64, 4, 5, "cpu")
+    seen = []
+    build = proposer.builder.build_for_drafting
+
+    def record(common, draft_index):
+        seen.append((draft_index, common))
+        return build(common, draft_index)
+
+    monkeypatch.setattr(proposer.builder, "build_for_drafting", record)
+    block_table = torch.arange(48, dtype=torch.int32).view(3, 16)
+    proposer.draft_steps(torch.tensor([1, 2, 3]), torch.tensor([5, 7, 2]),
+                         torch.tensor([6, 8, 3], dtype=torch.int32), torch.zeros(3, 2),
+                         block_table, [], 8)
+    assert [i for i, _ in seen] == [1, 2]
+    for i, common in seen:
+        assert common.query_start_loc.tolist() == common.query_start_loc_cpu.tolist() == \
+            [0, 1, 2, 3]
+        assert (common.num_reqs, common.num_actual_tokens, common.max_query_len) == (3, 3, 1)
+        assert common.seq_lens.tolist() == [6 + i, 8 + i, 3 + i]
+        assert common.max_seq_len >= 8 + i
+        assert bool((common.seq_lens_cpu >= common.seq_lens).all())
+        assert common.causal

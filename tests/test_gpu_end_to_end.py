@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import write_eagle1_head, write_eagle3_head, write_tiny_llama
+from checkpoints import write_cyclic_eagle1_head, write_cyclic_eagle3_head, write_cyclic_llama
 from rocdraft.backends import registry
 from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.platform import detect_platform
@@ -30,10 +30,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu")
-    target = write_tiny_llama(root / "t", kind="deep", head_dim=64, num_attention_heads=4,
-                              num_key_value_heads=2, hidden_size=256)
-    return {"target": str(target), "eagle": str(write_eagle1_head(root / "e1", target)),
-            "eagle3": str(write_eagle3_head(root / "e3", target))}
+    # Cyclic pairs (tests/checkpoints.py): drafts are accepted often but not always.
+    target = write_cyclic_llama(root / "t", noise=2.0, head_dim=64, num_attention_heads=4,
+                                num_key_value_heads=2, hidden_size=256)
+    return {"target": str(target), "eagle": str(write_cyclic_eagle1_head(root / "e1", target)),
+            "eagle3": str(write_cyclic_eagle3_head(root / "e3", target))}
 
 
 def _runnable(name: str) -> str | None:
@@ -60,7 +61,7 @@ def test_lossless_on_device(pair, backend, method):
         assert got == reference
     else:  # low precision: the first tokens must agree on every request
         assert [g[:4] for g in got] == [r[:4] for r in reference]
-    assert spec.last_stats.num_verify_steps > 0
+    assert 1.5 < spec.last_stats.acceptance_length < 5
 
 
 def test_graph_replay_equals_eager(pair):

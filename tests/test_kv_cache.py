@@ -264,6 +264,21 @@ def test_fp8_saturates_instead_of_overflowing():
         assert torch.isfinite(k).all()
 
 
+@pytest.mark.parametrize("layout", (NHD, SPLIT_K))
+def test_fp8_cache_without_scales_stores_the_plain_cast(layout):
+    """No k_scale / v_scale means scale 1: the stored values are the fp8 casts."""
+    for dtype in FP8_DTYPES:
+        kshape, vshape = kv_cache_shapes(layout, 2, 16, 3, 16, dtype)
+        cache = LayerKVCache(torch.zeros(kshape, dtype=dtype), torch.zeros(vshape, dtype=dtype),
+                             layout)
+        key = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(5))
+        slots = torch.tensor([3, 17, 0, 31, 8])
+        write_kv_reference(key, 2 * key, cache, slots)
+        k_nhd, v_nhd = read_kv_nhd(cache)
+        assert torch.equal(k_nhd.reshape(-1, 3, 16)[slots], key.to(dtype).float())
+        assert torch.equal(v_nhd.reshape(-1, 3, 16)[slots], (2 * key).to(dtype).float())
+
+
 def test_split_k_and_nhd_read_back_the_same():
     g = torch.Generator().manual_seed(4)
     caches = [allocate_kv_cache(1, 2, 16, 2, 32, torch.float16, "cpu", layout=lay)[0]

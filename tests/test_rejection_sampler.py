@@ -135,6 +135,32 @@ def test_draft_with_zero_target_probability_is_never_accepted():
     assert set(out[:, 0].tolist()) == {3, 4}
 
 
+def test_each_verified_position_of_a_seeded_row_gets_its_own_noise():
+    """A seeded row whose output index is 5 verifies positions 5, 6, 7 and 8: each draws the
+    noise of its own index, so drafts equal to what target-only sampling draws at indices
+    5, 6, 7 are all accepted and the bonus is index 8's token (one noise for every position
+    would emit index 5's token four times and reject the drafts)."""
+    vocab, width, seed = 50, 4, 3
+    logits = torch.zeros(1, width, vocab)  # uniform: the noise alone decides the token
+
+    def tensors(index):
+        return SamplingTensors.build([SamplingParams(temperature=1.0, seed=seed)], [None],
+                                     "cpu", position_seeds=[(seed, index)])
+
+    no_drafts = torch.zeros(1, 0, dtype=torch.long)
+    alone = [int(rejection_sample(logits[:, :1], no_drafts, torch.tensor([0]), [0],
+                                  tensors(5 + j))[0, 0]) for j in range(width)]
+    assert len(set(alone)) == width
+    out = rejection_sample(logits, torch.tensor([alone[:3]]), torch.tensor([3]), [3],
+                           tensors(5))
+    assert out.tolist() == [alone]
+    # Rejecting the second draft emits index 6's own token.
+    wrong = (alone[1] + 1) % vocab
+    out = rejection_sample(logits, torch.tensor([[alone[0], wrong, alone[2]]]),
+                           torch.tensor([3]), [3], tensors(5))
+    assert out.tolist() == [alone[:2] + [-1, -1]]
+
+
 def test_seeded_rows_do_not_depend_on_batch_neighbours():
     vocab = 5
     g = torch.Generator().manual_seed(6)

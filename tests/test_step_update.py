@@ -51,3 +51,16 @@ def test_schedule_mrope_rows_follow_row_zero():
     assert clamped.tolist() == [[[8, 9], [9, 0]], [[8, 9], [9, 0]], [[6, 7], [7, 0]]]
     assert slots[1].tolist() == [1, -1]
     assert seq.tolist() == [[9, 10], [10, 1]]
+
+
+def test_cpu_and_mrope_positions_take_the_torch_schedule():
+    """No fused kernel for CPU tensors (Triton would run in its slow interpreter) nor, on any
+    device, for M-RoPE [3, B] positions (the kernels take [B])."""
+    block_table = torch.zeros(2, 3, dtype=torch.int32)
+    seq_lens = torch.tensor([8, 9], dtype=torch.int32)
+    assert DraftStepIndexer(torch.tensor([7, 8]), seq_lens, block_table, 2, 4, 10).kernel is None
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        mrope = torch.tensor([[7, 8], [7, 8], [5, 6]], device=device)
+        indexer = DraftStepIndexer(mrope, seq_lens.to(device), block_table.to(device), 2, 4, 10)
+        assert indexer.kernel is None
