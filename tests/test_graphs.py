@@ -136,6 +136,15 @@ def test_capture_bound_is_checked(llm):
     assert DraftLoopRunner(*args, use_graphs=False).max_seq_len == llm.max_model_len
 
 
+def test_accepts_up_to_the_largest_bucket_and_the_bound(llm):
+    runner = DraftLoopRunner(llm.proposer, llm.draft_kv_caches, llm.head.config.hidden_size,
+                             llm.scheduler_config.max_blocks_per_seq, BUCKETS,
+                             use_graphs=False, max_seq_len=32)
+    steps = llm.proposer.num_speculative_tokens - 1
+    assert runner.accepts(BUCKETS[-1]) and not runner.accepts(BUCKETS[-1] + 1)
+    assert runner.accepts(1, 32 - steps) and not runner.accepts(1, 32 - steps + 1)
+
+
 def test_sdpa_gather_bytes():
     assert sdpa_gather_bytes(64, 4096, 8, 128) == 2 * 2 ** 30
     assert sdpa_gather_bytes(64, 512, 8, 128) == 256 * 2 ** 20
