@@ -23,7 +23,7 @@ DRAFT_ENV_VAR = envs.DRAFT_ATTENTION_BACKEND
 PRIORITY = {
     "rocm": ("ROCM_AITER_FA", "TRITON_ATTN", "TORCH_SDPA"),
     "cuda": ("FLASH_ATTN", "TRITON_ATTN", "TORCH_SDPA"),
-    "cpu": ("TORCH_SDPA", "TRITON_ATTN"),
+    "cpu": ("CPU_ATTN", "TORCH_SDPA", "TRITON_ATTN"),
 }
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

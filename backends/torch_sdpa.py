@@ -81,7 +81,7 @@ def paged_attention_reference(query: torch.Tensor, cache: LayerKVCache,
     if common.causal:
         visible = visible & (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1))  # [B, max_q+1, max_s]
     if common.spec_mask is not None:
-        visible = visible & _spec_mask_visibility(common, q_pos, key_pos, max_q + 1)
+        visible = visible & spec_mask_visibility(common, q_pos, key_pos, max_q + 1)
     # softmax(q k^T * scale, masked) v; a row that sees no key (padding) gives NaN -> 0.
     # GQA: query head h reads kv head h // (num_heads // num_kv_heads).
     out = F.scaled_dot_product_attention(padded_q.transpose(1, 2), keys, values,
@@ -92,7 +92,7 @@ def paged_attention_reference(query: torch.Tensor, cache: LayerKVCache,
     return out[req, idx]
 
 
-def _spec_mask_visibility(common: CommonAttentionMetadata, q_pos: torch.Tensor,
+def spec_mask_visibility(common: CommonAttentionMetadata, q_pos: torch.Tensor,
                           key_pos: torch.Tensor, width: int) -> torch.Tensor:
     """[B, width, max_s] bool: among the last num_spec positions of each request, query i sees
     key j only where spec_mask[i, j]; everything before them stays visible."""

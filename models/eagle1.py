@@ -21,7 +21,7 @@ from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.models.config import HeadConfig
 from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
-from rocdraft.models.rope import RotaryEmbedding
+from rocdraft.models.rope import RopeTables, RotaryEmbedding
 
 
 class Eagle1Layer(nn.Module):
@@ -38,11 +38,11 @@ class Eagle1Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
         self.mlp = GatedMLP(hidden, config.intermediate_size, **factory)
 
-    def forward(self, hidden: torch.Tensor, cos_sin, kv_cache: LayerKVCache,
+    def forward(self, hidden: torch.Tensor, rope: RopeTables, kv_cache: LayerKVCache,
                 attn_metadata) -> torch.Tensor:
         """hidden [n, H] -> [n, H]."""
         x = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
-        hidden = hidden + self.self_attn(x, cos_sin, kv_cache, attn_metadata)
+        hidden = hidden + self.self_attn(x, rope, kv_cache, attn_metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -82,11 +82,11 @@ class Eagle1Head(nn.Module):
         """input_ids [n] (next tokens), positions [n] (or the M-RoPE target's [3, n]: row 0
         is used unless the head's own config has an mrope_section), hidden_states [n, H]
         -> [n, H]."""
-        cos_sin = self.rotary_emb(positions)
         embeds = self.embed_tokens(input_ids)  # [n, H]
+        rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
         hidden = self.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos_sin, kv_cache, attn_metadata)
+            hidden = layer(hidden, rope, kv_cache, attn_metadata)
         return hidden
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

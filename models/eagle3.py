@@ -26,7 +26,7 @@ from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import NUM_AUX_LAYERS, HeadConfig
 from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
-from rocdraft.models.rope import RotaryEmbedding
+from rocdraft.models.rope import RopeTables, RotaryEmbedding
 
 
 def resolve_aux_layer_ids(declared: tuple[int, ...] | None, num_target_layers: int
@@ -72,11 +72,11 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
         self.mlp = GatedMLP(hidden, config.intermediate_size, **factory)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin,
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: RopeTables,
                 kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
         """embeds [n, H], hidden [n, H] -> [n, H]."""
         z = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(z, cos_sin, kv_cache, attn_metadata)
+        hidden = hidden + self.self_attn(z, rope, kv_cache, attn_metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -131,9 +131,9 @@ class Eagle3Head(nn.Module):
         -> [n, H]."""
         if len(kv_caches) != 1:
             raise ValueError(f"EAGLE-3 has one layer, got {len(kv_caches)} KV caches")
-        cos_sin = self.rotary_emb(positions)
         embeds = self.embed_tokens(input_ids)  # [n, H]
-        return self.midlayer(embeds, hidden_states.to(embeds.dtype), cos_sin, kv_caches[0],
+        rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
+        return self.midlayer(embeds, hidden_states.to(embeds.dtype), rope, kv_caches[0],
                              attn_metadata)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

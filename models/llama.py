@@ -18,7 +18,7 @@ from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
 from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
-from rocdraft.models.rope import RotaryEmbedding
+from rocdraft.models.rope import RopeTables, RotaryEmbedding
 from rocdraft.models.weights import copy_weights, load_state_dict
 
 
@@ -43,10 +43,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.mlp_bias, **factory)
 
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: RopeTables, kv_cache: LayerKVCache,
+                attn_metadata) -> torch.Tensor:
         """hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size] (pre-norm residual)."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache,
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache,
                                          attn_metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -86,13 +86,13 @@ class LlamaForCausalLM(nn.Module):
         bad = [i for i in aux_layer_ids if not 0 <= i < num_layers]
         if bad:
             raise ValueError(f"aux_layer_ids {bad} out of range [0, {num_layers})")
-        cos_sin = self.rotary_emb(positions)  # 2 x [num_tokens, head_dim]
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        rope = self.rotary_emb.tables(positions, hidden.dtype)  # once per step, every layer
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layer_ids:
                 captured[i] = hidden
-            hidden = layer(hidden, cos_sin, kv_caches[i], attn_metadata)
+            hidden = layer(hidden, rope, kv_caches[i], attn_metadata)
         return TargetOutput(self.norm(hidden), tuple(captured[i] for i in aux_layer_ids))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

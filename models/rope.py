@@ -18,7 +18,7 @@ which reduces M-RoPE to plain RoPE (text-only tokens).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -61,6 +61,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [num_tokens, num_heads, head_dim], cos/sin [num_tokens, head_dim] -> like x."""
     cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
     return x * cos + rotate_half(x) * sin
+
+
+class RopeTables(NamedTuple):
+    """What every attention layer of one forward applies, prepared once per step."""
+
+    cos: torch.Tensor  # [num_tokens, 1, head_dim], the model dtype
+    sin_signed: torch.Tensor  # [num_tokens, 1, head_dim]: (-sin, +sin) halves, the model dtype
+
+
+def apply_rotary_tables(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """x [num_tokens, num_heads, head_dim] (q and k may be rotated together, any row stride)
+    -> a new contiguous tensor like x.
+
+    ``rotate_half(x) * sin`` is ``swap_halves(x) * sin_signed`` (a sign flip is exact), so
+    this equals ``apply_rotary`` bit for bit with one roll instead of two slices, a negation
+    and a concatenation.
+    """
+    swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (x1, x2) -> (x2, x1), a new tensor
+    return swapped.mul_(tables.sin_signed).add_(x * tables.cos)
 
 
 class RotaryEmbedding(nn.Module):
@@ -108,3 +127,11 @@ class RotaryEmbedding(nn.Module):
                              f"{list(positions.shape)}")
         angles = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
         return angles.cos(), angles.sin()
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """positions as in ``forward`` -> the ``RopeTables`` in ``dtype`` (the model's),
+        computed once per step and shared by every layer."""
+        cos, sin = self.forward(positions)
+        half = self.head_dim // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return RopeTables(cos.to(dtype).unsqueeze(1), sin_signed.to(dtype).unsqueeze(1))

@@ -68,7 +68,7 @@ def test_cpu_expectations():
     for name in ("ROCM_AITER_FA", "FLASH_ATTN"):
         assert not rows[name]["available"]
         assert "cpu" in rows[name]["unavailable_reason"]
-    assert report["selected"]["name"] == "TORCH_SDPA"
+    assert report["selected"]["name"] == "CPU_ATTN"
     assert "priority" in report["selected"]["reason"]
     assert report["arch"] is None
 
@@ -202,4 +202,4 @@ def test_draft_choice_from_env(monkeypatch):
 @pytest.mark.skipif(detect_platform().kind != "cpu", reason="CPU-only expectations")
 def test_draft_choice_on_cpu_is_the_targets():
     draft = backends_report()["draft"]
-    assert draft["name"] == "TORCH_SDPA" and "target's backend" in draft["reason"]
+    assert draft["name"] == "CPU_ATTN" and "target's backend" in draft["reason"]

@@ -43,7 +43,7 @@ def test_cpu_jobs_run_the_suite_per_cpu_backend():
     backends = job["strategy"]["matrix"]["backend"]
     cpu_runnable = [name for name in registry.registered_names()
                     if registry.refusal_reason(registry.get_backend(name), "cpu") is None]
-    assert sorted(backends) == sorted(cpu_runnable) == ["TORCH_SDPA", "TRITON_ATTN"]
+    assert sorted(backends) == sorted(cpu_runnable) == ["CPU_ATTN", "TORCH_SDPA", "TRITON_ATTN"]
     assert job["env"] == {"ROCDRAFT_ATTENTION_BACKEND": "${{ matrix.backend }}",
                           "TRITON_INTERPRET": "1"}
     assert "pip install -e \".[test]\"" in run_lines(job)

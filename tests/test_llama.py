@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from checkpoints import PagedBatch, write_tiny_llama
 from rocdraft.backends.kv_cache import allocate_kv_cache
 from rocdraft.backends.registry import get_backend
+from rocdraft.models.layers import RMSNorm, fused_linear_weights
 from rocdraft.models.llama import LlamaForCausalLM, TargetOutput, load_target
 
 KINDS = ("llama", "llama3", "qwen2")
@@ -148,6 +149,52 @@ def test_attributes_and_spec(checkpoints):
     assert isinstance(untied.embed_tokens, torch.nn.Embedding)
     assert isinstance(untied.lm_head, torch.nn.Linear)
     assert untied.config.architecture == "LlamaForCausalLM"
+
+
+def test_fused_projections_share_storage_and_keep_hf_names(checkpoints):
+    """q/k/v and gate/up run as one matmul each on a fused weight whose rows ARE the HF
+    modules' weights (views, no copy); state_dict keeps the HF names."""
+    model = load_target(checkpoints["qwen2"], torch.float32, "cpu", get_backend("TORCH_SDPA"))
+    assert "layers.0.self_attn.q_proj.weight" in model.state_dict()
+    assert not any("qkv" in name or "gate_up" in name for name in model.state_dict())
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    weight, bias = fused_linear_weights((attn.q_proj, attn.k_proj, attn.v_proj))
+    assert torch.equal(weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight,
+                                          attn.v_proj.weight]))
+    assert bias is not None and bias.shape == (weight.shape[0],)  # qwen2: q/k/v biases
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    gate_up, _ = fused_linear_weights((mlp.gate_proj, mlp.up_proj))
+    with torch.no_grad():  # a write through a part (what copy_weights does) is seen fused
+        mlp.up_proj.weight.mul_(2)
+    assert torch.equal(gate_up[mlp.gate_proj.out_features:], mlp.up_proj.weight)
+    assert fused_linear_weights((mlp.gate_proj, mlp.up_proj))[0].data_ptr() == \
+        gate_up.data_ptr()  # cached: not rebuilt
+
+
+@torch.no_grad()
+def test_fused_projections_follow_replaced_storage(checkpoints):
+    """After .to() (new storage for every part) the fused weight is rebuilt, not stale."""
+    model = load_target(checkpoints["llama"], torch.float32, "cpu", get_backend("TORCH_SDPA"))
+    attn = model.layers[1].self_attn
+    before, _ = fused_linear_weights((attn.q_proj, attn.k_proj, attn.v_proj))
+    model.to(torch.float64)
+    after, _ = fused_linear_weights((attn.q_proj, attn.k_proj, attn.v_proj))
+    assert after.dtype == torch.float64 and after.data_ptr() != before.data_ptr()
+    assert torch.equal(after[:attn.q_proj.out_features], attn.q_proj.weight)
+
+
+@torch.no_grad()
+def test_float32_rms_norm_has_no_dtype_round_trip():
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.normal_()
+    x = torch.randn(5, 64)
+    reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    with torch.profiler.profile() as prof:
+        out = norm(x)
+    assert torch.equal(out, reference)
+    dispatched = [e.name for e in prof.events() if e.cpu_parent is None
+                  or not e.cpu_parent.name.startswith("aten::")]  # not those inside an op
+    assert "aten::pow" in dispatched and "aten::to" not in dispatched
 
 
 @torch.no_grad()

@@ -56,8 +56,10 @@ def fake_registry(monkeypatch):
 
 
 def full_set(add, **unavailable):
-    """Register the five backends of the priority lists; ``unavailable`` maps name -> reason."""
-    add(make_backend("ROCM_AITER_FA", unavailable.get("ROCM_AITER_FA"), platforms=("rocm",),
+    """Register the backends of the priority lists; ``unavailable`` maps name -> reason."""
+    add(make_backend("CPU_ATTN", unavailable.get("CPU_ATTN"), platforms=("cpu",),
+                     tree_drafting=True, dtypes=(torch.float32, torch.float16, torch.bfloat16)),
+        make_backend("ROCM_AITER_FA", unavailable.get("ROCM_AITER_FA"), platforms=("rocm",),
                      block_size_multiple=16),
         make_backend("FLASH_ATTN", unavailable.get("FLASH_ATTN"), platforms=("cuda", "rocm")),
         make_backend("TRITON_ATTN", unavailable.get("TRITON_ATTN"), tree_drafting=True),
@@ -70,11 +72,11 @@ def full_set(add, **unavailable):
 def test_priority_lists_are_the_documented_ones():
     assert registry.PRIORITY["rocm"] == ("ROCM_AITER_FA", "TRITON_ATTN", "TORCH_SDPA")
     assert registry.PRIORITY["cuda"] == ("FLASH_ATTN", "TRITON_ATTN", "TORCH_SDPA")
-    assert registry.PRIORITY["cpu"] == ("TORCH_SDPA", "TRITON_ATTN")
+    assert registry.PRIORITY["cpu"] == ("CPU_ATTN", "TORCH_SDPA", "TRITON_ATTN")
 
 
 @pytest.mark.parametrize("platform, expected", [
-    ("rocm", "ROCM_AITER_FA"), ("cuda", "FLASH_ATTN"), ("cpu", "TORCH_SDPA")])
+    ("rocm", "ROCM_AITER_FA"), ("cuda", "FLASH_ATTN"), ("cpu", "CPU_ATTN")])
 def test_first_of_priority_list_wins_when_all_available(fake_registry, platform, expected):
     full_set(fake_registry)
     sel = registry.select_backend(platform)
@@ -106,11 +108,13 @@ def test_cuda_never_picks_a_backend_outside_its_list(fake_registry):
     assert sel.refused == {"FLASH_ATTN": "flash_attn is not installed"}
 
 
-def test_cpu_order_prefers_torch_sdpa_then_triton(fake_registry):
-    full_set(fake_registry, TORCH_SDPA="broken on purpose")
+def test_cpu_order_prefers_cpu_attn_then_torch_sdpa_then_triton(fake_registry):
+    full_set(fake_registry, CPU_ATTN="broken on purpose")
+    assert registry.select_backend("cpu").backend.name == "TORCH_SDPA"
+    full_set(fake_registry, CPU_ATTN="broken on purpose", TORCH_SDPA="also broken")
     sel = registry.select_backend("cpu")
     assert sel.backend.name == "TRITON_ATTN"
-    assert sel.refused == {"TORCH_SDPA": "broken on purpose"}
+    assert sel.refused == {"CPU_ATTN": "broken on purpose", "TORCH_SDPA": "also broken"}
 
 
 def test_platform_mismatch_is_a_refusal_reason(fake_registry):

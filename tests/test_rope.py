@@ -13,7 +13,8 @@ from rocdraft.backends.kv_cache import allocate_kv_cache
 from rocdraft.backends.registry import get_backend
 from rocdraft.models.config import ModelConfig
 from rocdraft.models.llama import LlamaForCausalLM
-from rocdraft.models.rope import RotaryEmbedding, apply_rotary, compute_inv_freq
+from rocdraft.models.rope import (RotaryEmbedding, apply_rotary, apply_rotary_tables,
+                                  compute_inv_freq)
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -65,6 +66,22 @@ def test_apply_rotary_matches_transformers():
                                         cos[None], sin[None])
     torch.testing.assert_close(apply_rotary(q, cos, sin), ref_q[0].transpose(0, 1))
     torch.testing.assert_close(apply_rotary(k, cos, sin), ref_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_step_tables_rotate_q_and_k_together_bit_for_bit(dtype):
+    """The tables prepared once per step give apply_rotary's values exactly, for q and k
+    rotated in one call on a strided view of a fused qkv."""
+    g = torch.Generator().manual_seed(1)
+    rope = RotaryEmbedding(16, 1e4, ROPES["llama3"])
+    positions = torch.arange(7) * 5
+    qkv = torch.randn(7, 4 + 2 + 2, 16, generator=g).to(dtype)
+    tables = rope.tables(positions, dtype)
+    assert tables.cos.shape == (7, 1, 16) and tables.cos.dtype == dtype
+    rotated = apply_rotary_tables(qkv[:, :6], tables)
+    cos, sin = rope(positions)
+    assert torch.equal(rotated[:, :4], apply_rotary(qkv[:, :4], cos, sin))
+    assert torch.equal(rotated[:, 4:], apply_rotary(qkv[:, 4:6], cos, sin))
 
 
 MROPE = {"rope_type": "mrope", "mrope_section": [2, 3, 3]}

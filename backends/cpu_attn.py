@@ -1,0 +1,267 @@
+"""CPU_ATTN: paged attention for the CPU with the index work planned once per step.
+
+The same math as TORCH_SDPA (the oracle it is tested against): any mix of prefill chunks,
+decodes and multi-token verifies, causal relative to each request's cache, GQA, NHD or
+SPLIT_K caches (fp8 dequantised), the tree ``spec_mask``, graph-padding tokens (output 0).
+What differs is where the work happens:
+
+- ``CpuAttnBuilder.build`` runs ONCE per step (FlashInfer's plan/run split) and computes
+  everything that is the same for every layer: the additive mask ``[batch_size, 1,
+  max_query_len, max_seq_len]`` (0 / -inf; causal, lengths, spec_mask), the KV-write
+  targets with padding rows redirected (sync-free, as ``write_kv_reference``), and for
+  ragged batches the token -> padded-query row map; the block ids to gather and the mask
+  padded to whole blocks need the cache's block size, so the first layer derives them
+  (``block_plan``) and the others reuse them;
+- ``CpuAttnImpl.forward`` runs per layer: 3 ops per K/V write (float caches), one
+  ``index_select`` of whole blocks per K and V (rows of ``block_size * Hk * head_dim``
+  elements instead of one row per key, and no per-layer index arithmetic), one SDPA.
+  A uniform batch (every request has ``max_query_len`` tokens: all decodes, all
+  ``1 + k`` verifies, draft steps) is a pure view: no query scatter, no output gather.
+  For one query per request GQA is folded into the query rows (``[B, Hk, G, D]``, a view),
+  so SDPA sees MHA with a ``[B, 1, 1, S]`` mask broadcast over the G rows.
+
+Chosen by measurement on the built-in target's shapes (6 query / 2 KV heads, head_dim 64,
+block 16, ~160-token sequences; float32, 1 thread, one process, candidates interleaved, a
+busy 2-core machine, so only the ratios mean much). Candidate kernels, attention only,
+after a per-step plan (µs per layer call)::
+
+                                          bs1 decode  bs8 decode  bs1 verify(1+4)
+    TORCH_SDPA (oracle; its own per-layer index work)   246        858        253
+    slot gather + bool-mask SDPA (GQA folded)           54         354        108
+    slot gather + float-mask SDPA                       73         338         82
+    slot gather + SDPA enable_gqa                       69         386         87
+    slot gather + bmm / softmax / bmm                  113        1290        166
+    per-request contiguous K/V, one SDPA each          113         880        162
+
+Gathering whole blocks (``index_select`` on ``[num_blocks, block_size * Hk * D]``) beat one
+row per key (157 vs 172 µs at bs 8, 10 vs 11 at bs 1; advanced indexing: 239), and on the
+gathered K/V SDPA with a float additive mask beat a boolean one (10 vs 13 µs at bs 1, 92 vs
+100 at bs 8, 245 vs 302 for bs 8 verifies; the first table's runs were noisier). The
+per-request loop multiplies the op count by the batch size (what the issue's 2-thread
+numbers punish); a hand-written bmm/softmax is 4+ ops where SDPA is one. ``flex_attention``
+runs its math reference in eager mode and is only fast under ``torch.compile`` (inductor
+with a C++ toolchain), and compiling this forward lost on the CPU (see below); it was not
+adopted. The backend as built (KV write + attention per layer, the plan amortised over the
+target's 8 layers), against TORCH_SDPA in the same process: bs 1 decode 62 vs 191 µs
+(3.1x), bs 8 decode 240 vs 543 (2.3x), bs 1 verify 80 vs 213 (2.7x), bs 8 verify 359 vs
+701 (2.0x).
+
+``torch.compile(model.forward, dynamic=True)`` (default mode) on the CPU: ~40 s to compile
+and 2.4x SLOWER per bs-8 decode forward than eager (30.2 vs 12.4 ms; the in-place paged-KV
+writes and per-layer guards), so no compiled path is offered.
+
+MI300: this backend is CPU-only; what carries over is the plan-once split (ROCM_AITER_FA and
+TRITON_ATTN already take per-step metadata) and the model-side fusions in models/layers.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from rocdraft.backends.base import (AttentionBackend, AttentionImpl, BackendCapabilities,
+                                    GraphCapture, MetadataBuilder)
+from rocdraft.backends.kv_cache import (FP8_DTYPES, KV_LAYOUTS, NHD, LayerKVCache, read_kv_nhd,
+                                        write_kv_reference)
+from rocdraft.backends.metadata import CommonAttentionMetadata, token_layout
+from rocdraft.backends.registry import register_backend
+from rocdraft.backends.torch_sdpa import spec_mask_visibility
+
+
+@dataclass(frozen=True)
+class CpuAttnMetadata:
+    common: CommonAttentionMetadata
+    num_query_rows: int  # max(max_query_len, 1): the padded query length
+    num_keys: int  # max(max_seq_len, 1): keys per request the mask covers
+    mask: torch.Tensor  # [batch_size, 1, num_query_rows, num_keys] float32, 0 or -inf
+    block_ids: torch.Tensor  # [batch_size, max_blocks_per_seq] int64, padding -> 0
+    write_slots: torch.Tensor  # [num_tokens] int64: slot, padding -> the anchor's slot
+    write_rows: torch.Tensor  # [num_tokens] int64 into cat(rows, slot 0): padding -> anchor
+    # Ragged batches only (None when every request has num_query_rows tokens and there is
+    # no padding token): padded row of each token, batch_size * num_query_rows = scratch.
+    query_rows: torch.Tensor | None  # [num_tokens] int64
+    # The part of the plan that needs the cache's block size (only the cache knows it):
+    # computed by the first layer, reused by the others. block_size -> BlockPlan.
+    by_block_size: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def block_plan(self, block_size: int) -> "BlockPlan":
+        plan = self.by_block_size.get(block_size)
+        if plan is None:
+            num_blocks = min(-(-self.num_keys // block_size), self.block_ids.shape[1])
+            width = num_blocks * block_size
+            # Keys past num_keys (the last block's tail) are masked like any invisible key.
+            mask = F.pad(self.mask, (0, max(width - self.num_keys, 0)), value=float("-inf"))
+            plan = BlockPlan(self.block_ids[:, :num_blocks].reshape(-1), width,
+                             mask[..., :width])
+            self.by_block_size[block_size] = plan
+        return plan
+
+
+class BlockPlan(NamedTuple):
+    block_ids: torch.Tensor  # [batch_size * num_blocks] int64: the blocks to gather
+    width: int  # num_blocks * block_size keys per request
+    mask: torch.Tensor  # [batch_size, 1, num_query_rows, width] float32
+
+
+def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(write_slots, write_rows) for slot_mapping [num_tokens]: the sync-free redirect of
+    ``write_kv_reference``. Padding rows (slot < 0) rewrite the first valid row's slot with
+    that row's data; with no valid row they rewrite slot 0 with row ``num_tokens`` of
+    ``cat(rows, cache slot 0)``, i.e. its current contents.
+
+    Example: slots [-1, 7, 9, -1] -> write_slots [7, 7, 9, 7], write_rows [1, 1, 2, 1];
+    slots [-1, -1] -> write_slots [0, 0], write_rows [2, 2].
+    """
+    num_tokens = slot_mapping.shape[0]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    anchor = valid.int().argmax().view(1)  # first valid row (0 when none is)
+    any_valid = valid.index_select(0, anchor)
+    anchor_slot = torch.where(any_valid, slots.index_select(0, anchor), 0)
+    anchor_row = torch.where(any_valid, anchor, num_tokens)
+    rows = torch.arange(num_tokens, device=slots.device)
+    return torch.where(valid, slots, anchor_slot), torch.where(valid, rows, anchor_row)
+
+
+class CpuAttnBuilder(MetadataBuilder):
+    def build(self, common: CommonAttentionMetadata) -> CpuAttnMetadata:
+        """The per-step plan (see the module docstring); no host reads of device tensors."""
+        num_tokens = common.slot_mapping.shape[0]
+        batch_size = common.num_reqs
+        num_rows, num_keys = max(common.max_query_len, 1), max(common.max_seq_len, 1)
+        device = common.seq_lens.device
+        uniform = common.num_actual_tokens == num_tokens == batch_size * num_rows
+        seq_lens = common.seq_lens.long()
+        query_lens = (common.query_start_loc[1:] - common.query_start_loc[:-1]).long()
+        row = torch.arange(num_rows, device=device)
+        # Position of padded query row j of request i; rows past the query are -1.
+        q_pos = (seq_lens - query_lens).view(-1, 1) + row  # [B, num_rows]
+        query_rows = None
+        if not uniform:
+            q_pos = q_pos.masked_fill(row >= query_lens.view(-1, 1), -1)
+            req, index, _ = token_layout(common.query_start_loc, common.seq_lens, num_tokens)
+            query_rows = req * num_rows + index  # padding tokens: req == B -> scratch row
+        key_pos = torch.arange(num_keys, device=device)
+        visible = key_pos < seq_lens.view(-1, 1, 1)  # [B, 1, num_keys]
+        if common.causal:
+            visible = visible & (key_pos <= q_pos.unsqueeze(-1))  # [B, num_rows, num_keys]
+        if common.spec_mask is not None:
+            visible = visible & spec_mask_visibility(common, q_pos, key_pos, num_rows)
+        visible = visible.expand(batch_size, num_rows, num_keys)
+        # A row that sees nothing (padding) sees key 0 instead: finite, and never read.
+        visible = visible | ((key_pos == 0) & ~visible.any(-1, keepdim=True))
+        mask = torch.where(visible, 0.0, float("-inf"))  # float32
+        write_slots, write_rows = _write_plan(common.slot_mapping)
+        return CpuAttnMetadata(common, num_rows, num_keys, mask.unsqueeze(1),
+                               common.block_table.long().clamp(min=0), write_slots, write_rows,
+                               query_rows)
+
+    def build_for_drafting(self, common: CommonAttentionMetadata,
+                           draft_index: int) -> CpuAttnMetadata:
+        """Draft steps have one query per request, at position seq_lens[i] - 1: it sees keys
+        0..seq_lens[i]-1 (causal or not), always including key 0 (the draft-loop runner's
+        padding rows have seq_len 1), so the mask is one comparison. Other shapes and tree
+        masks take ``build``."""
+        num_tokens = common.slot_mapping.shape[0]
+        if not (common.max_query_len == 1 and common.num_reqs == num_tokens
+                and common.num_actual_tokens == num_tokens and common.spec_mask is None):
+            return self.build(common)
+        num_keys = max(common.max_seq_len, 1)
+        key_pos = torch.arange(num_keys, device=common.seq_lens.device)
+        visible = (key_pos < common.seq_lens.view(-1, 1)) | (key_pos == 0)  # [B, num_keys]
+        mask = torch.where(visible, 0.0, float("-inf")).view(num_tokens, 1, 1, num_keys)
+        write_slots, write_rows = _write_plan(common.slot_mapping)
+        return CpuAttnMetadata(common, 1, num_keys, mask, common.block_table.long().clamp(min=0),
+                               write_slots, write_rows, None)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
+             meta: CpuAttnMetadata) -> None:
+    """``write_kv_reference`` with the index work from the plan: for a contiguous NHD cache of
+    a float dtype, 3 ops per tensor with the same stored values; other caches take the
+    reference itself. key/value [>= num_tokens, Hk, head_dim] (may be strided views)."""
+    num_tokens = meta.write_slots.shape[0]
+    if num_tokens == 0:
+        return
+    if cache.layout != NHD or cache.is_fp8 or not (cache.key.is_contiguous()
+                                                   and cache.value.is_contiguous()):
+        write_kv_reference(key, value, cache, meta.common.slot_mapping)
+        return
+    for new, store in ((key, cache.key), (value, cache.value)):
+        flat = store.view(-1, store.shape[2], store.shape[3])  # [num_slots, Hk, head_dim]
+        rows = new if new.shape[0] == num_tokens else new[:num_tokens]
+        if rows.dtype != store.dtype:
+            rows = rows.to(store.dtype)
+        pool = torch.cat([rows, flat[:1]])  # + slot 0's current contents
+        flat.index_copy_(0, meta.write_slots, pool.index_select(0, meta.write_rows))
+
+
+def gather_kv(cache: LayerKVCache, plan: BlockPlan, batch_size: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's keys and values for positions 0..plan.width-1, whole blocks at a time:
+    -> two [batch_size, num_kv_heads, plan.width, head_dim] float32 (strided views)."""
+    picked = LayerKVCache(cache.key.index_select(0, plan.block_ids),
+                          cache.value.index_select(0, plan.block_ids),
+                          cache.layout, cache.k_scale, cache.v_scale)
+    if cache.layout == NHD and cache.key.dtype == torch.float32 and cache.k_scale is None \
+            and cache.v_scale is None:
+        key, value = picked.key, picked.value  # [B * num_blocks, block_size, Hk, D]
+    else:
+        key, value = read_kv_nhd(picked)  # dequantised, NHD
+    shape = (batch_size, plan.width, key.shape[2], key.shape[3])
+    return key.reshape(shape).transpose(1, 2), value.reshape(shape).transpose(1, 2)
+
+
+def paged_attention(query: torch.Tensor, cache: LayerKVCache, meta: CpuAttnMetadata,
+                    scale: float) -> torch.Tensor:
+    """query [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim] float32."""
+    num_tokens, num_heads, head_dim = query.shape
+    batch_size, num_rows = meta.common.num_reqs, meta.num_query_rows
+    plan = meta.block_plan(cache.block_size)
+    key, value = gather_kv(cache, plan, batch_size)
+    num_kv_heads = key.shape[1]
+    if query.dtype != torch.float32:
+        query = query.float()
+    if meta.query_rows is not None:  # ragged: scatter into [B * num_rows + 1 scratch, Hq, D]
+        padded = query.new_zeros(batch_size * num_rows + 1, num_heads, head_dim)
+        padded.index_copy_(0, meta.query_rows, query)
+        query = padded[:batch_size * num_rows]
+    if num_rows == 1:  # GQA folded into the query rows: [B, Hk, G, D], a view
+        out = F.scaled_dot_product_attention(
+            query.view(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim),
+            key, value, attn_mask=plan.mask, scale=scale)
+        out = out.view(batch_size, num_heads, head_dim)
+    else:
+        out = F.scaled_dot_product_attention(
+            query.view(batch_size, num_rows, num_heads, head_dim).transpose(1, 2), key, value,
+            attn_mask=plan.mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
+        out = out.transpose(1, 2).reshape(batch_size * num_rows, num_heads, head_dim)
+    if meta.query_rows is None:
+        return out
+    out = torch.cat([out, out.new_zeros(1, num_heads, head_dim)])  # scratch row -> 0
+    return out.index_select(0, meta.query_rows)
+
+
+class CpuAttnImpl(AttentionImpl):
+    def forward(self, query, key, value, kv_cache: LayerKVCache, metadata: CpuAttnMetadata):
+        write_kv(key, value, kv_cache, metadata)
+        out = paged_attention(query, kv_cache, metadata, self.scale)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+@register_backend
+class CpuAttnBackend(AttentionBackend):
+    name = "CPU_ATTN"
+    metadata_cls = CpuAttnMetadata
+    builder_cls = CpuAttnBuilder
+    impl_cls = CpuAttnImpl
+    capabilities = BackendCapabilities(
+        multi_token_drafting=True, tree_drafting=True,
+        # Sync-free and shaped by host bounds only; the CPU has no graphs to capture, but the
+        # draft-loop runner replays through the same static buffers.
+        graph_capture=GraphCapture.FULL,
+        kv_layouts=KV_LAYOUTS, block_size_multiple=1,
+        dtypes=(torch.float32, torch.float16, torch.bfloat16), head_sizes=None,
+        platforms=("cpu",), kv_cache_dtypes=FP8_DTYPES)

@@ -1,0 +1,223 @@
+"""CPU_ATTN (the CPU fast path) against TORCH_SDPA (the oracle) on the same inputs: ragged
+prefill, decode, multi-token verify, tree masks, fp8 caches, GQA, graph padding rows; the
+KV writes bit-identical to ``write_kv_reference``; the per-step plan's index math."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rocdraft.backends import registry
+from rocdraft.backends.base import Feature, GraphCapture
+from rocdraft.backends.cpu_attn import (CpuAttnBackend, CpuAttnBuilder, CpuAttnImpl,
+                                        CpuAttnMetadata, _write_plan)
+from rocdraft.backends.kv_cache import FP8_DTYPES, NHD, SPLIT_K, allocate_kv_cache
+from rocdraft.backends.metadata import CommonAttentionMetadata
+from rocdraft.backends.torch_sdpa import TorchSDPABuilder, TorchSDPAImpl
+from test_torch_sdpa import MIXED, Case, tree_mask
+
+DECODES = [(5, 1), (12, 1), (1, 1), (30, 1)]
+VERIFIES = [(5, 5), (12, 5), (0, 5), (30, 5)]  # 1 + 4 drafts each: a uniform batch
+
+
+def _common(case: Case, slots: torch.Tensor, spec_mask=None) -> CommonAttentionMetadata:
+    qsl = [0]
+    for _, q in case.specs:
+        qsl.append(qsl[-1] + q)
+    common = CommonAttentionMetadata.from_cpu(qsl, case.seq_lens, case.block_table, slots, "cpu")
+    return common if spec_mask is None else common.with_updates(spec_mask=spec_mask)
+
+
+def _both(make_case, num_padding=0, spec_mask=None):
+    """(fast output, oracle output, fast case, oracle case): the same inputs and fresh,
+    identical caches for each backend."""
+    fast_case, oracle_case = make_case(), make_case()
+    results = []
+    for case, impl_cls, builder in ((fast_case, CpuAttnImpl, CpuAttnBuilder("cpu")),
+                                    (oracle_case, TorchSDPAImpl, TorchSDPABuilder("cpu"))):
+        query, key, value, slots = case.new_token_inputs(num_padding)
+        impl = impl_cls(case.num_heads, case.num_kv_heads, case.head_dim, case.scale)
+        metadata = builder.build(_common(case, slots, spec_mask))
+        results.append(impl.forward(query, key, value, case.cache, metadata))
+    return results[0], results[1], fast_case, oracle_case
+
+
+def _assert_same_caches(a: Case, b: Case) -> None:
+    assert torch.equal(a.cache.key.view(torch.uint8), b.cache.key.view(torch.uint8))
+    assert torch.equal(a.cache.value.view(torch.uint8), b.cache.value.view(torch.uint8))
+
+
+def test_registered_with_declared_capabilities():
+    assert registry.get_backend("CPU_ATTN") is CpuAttnBackend
+    assert registry.backend_for_metadata(CpuAttnMetadata) is CpuAttnBackend
+    caps = CpuAttnBackend.capabilities
+    assert caps.multi_token_drafting and caps.tree_drafting
+    assert caps.graph_capture is GraphCapture.FULL
+    assert caps.has(Feature.FP8_KV_CACHE) and caps.platforms == ("cpu",)
+    assert set(caps.kv_layouts) == {NHD, SPLIT_K}
+
+
+def test_first_in_the_cpu_priority_list():
+    assert registry.PRIORITY["cpu"][0] == "CPU_ATTN"
+    assert registry.select_backend("cpu").backend is CpuAttnBackend
+    assert registry.refusal_reason(CpuAttnBackend, "rocm") is not None
+
+
+@pytest.mark.parametrize("specs", [MIXED, DECODES, VERIFIES], ids=["ragged", "decode", "verify"])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_equals_the_oracle(specs, num_heads, num_kv_heads):
+    fast, oracle, fast_case, oracle_case = _both(
+        lambda: Case(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, seed=11))
+    assert fast.shape == oracle.shape and fast.dtype == oracle.dtype
+    torch.testing.assert_close(fast, oracle, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast, fast_case.expected(), atol=1e-5, rtol=1e-5)
+    _assert_same_caches(fast_case, oracle_case)
+
+
+def test_uniform_batches_need_no_query_scatter():
+    for specs in (DECODES, VERIFIES):
+        case = Case(specs)
+        _, _, _, slots = case.new_token_inputs()
+        assert CpuAttnBuilder("cpu").build(_common(case, slots)).query_rows is None
+    case = Case(MIXED)
+    _, _, _, slots = case.new_token_inputs()
+    assert CpuAttnBuilder("cpu").build(_common(case, slots)).query_rows is not None
+
+
+@settings(max_examples=25, deadline=None)
+@given(specs=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 5)), min_size=1, max_size=4),
+       heads=st.sampled_from([(2, 2), (4, 2), (4, 1)]), block_size=st.sampled_from([1, 4, 16]),
+       num_padding=st.integers(0, 3), seed=st.integers(0, 1000))
+def test_ragged_batches_equal_the_oracle(specs, heads, block_size, num_padding, seed):
+    fast, oracle, fast_case, oracle_case = _both(
+        lambda: Case(specs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=8,
+                     block_size=block_size, seed=seed), num_padding=num_padding)
+    torch.testing.assert_close(fast, oracle, atol=1e-5, rtol=1e-5)
+    _assert_same_caches(fast_case, oracle_case)
+
+
+@pytest.mark.parametrize("layout", (NHD, SPLIT_K))
+@pytest.mark.parametrize("specs", [[(5, 6), (0, 6), (3, 8)], [(5, 6), (9, 6)]],
+                         ids=["ragged", "uniform"])
+def test_tree_spec_mask_equals_the_oracle(layout, specs):
+    mask = tree_mask([-1, 0, 0, 1, 1, 2])
+    fast, oracle, fast_case, oracle_case = _both(
+        lambda: Case(specs, layout=layout, block_size=8, cache_dtype=torch.float16,
+                     q_dtype=torch.float16, seed=8), spec_mask=mask)
+    assert fast.dtype == torch.float16
+    torch.testing.assert_close(fast.float(), oracle.float(), atol=2e-3, rtol=2e-3)
+    _assert_same_caches(fast_case, oracle_case)
+    plain, _, _, _ = _both(lambda: Case(specs, layout=layout, block_size=8,
+                                        cache_dtype=torch.float16, q_dtype=torch.float16,
+                                        seed=8))
+    assert not torch.allclose(plain.float(), fast.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("layout", (NHD, SPLIT_K))
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize("per_head", (False, True))
+def test_fp8_cache_equals_the_oracle(layout, dtype, per_head):
+    fast, oracle, fast_case, oracle_case = _both(
+        lambda: Case(MIXED, layout=layout, block_size=16, cache_dtype=dtype, seed=3,
+                     per_head_scale=per_head), num_padding=2)
+    torch.testing.assert_close(fast, oracle, atol=1e-5, rtol=1e-5)
+    _assert_same_caches(fast_case, oracle_case)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_half_precision_equals_the_oracle(dtype):
+    fast, oracle, fast_case, oracle_case = _both(
+        lambda: Case(MIXED, cache_dtype=dtype, q_dtype=dtype, seed=1), num_padding=2)
+    assert fast.dtype == dtype
+    torch.testing.assert_close(fast.float(), oracle.float(), atol=1e-2, rtol=1e-2)
+    _assert_same_caches(fast_case, oracle_case)
+
+
+@pytest.mark.parametrize("specs", [MIXED, DECODES], ids=["ragged", "decode"])
+def test_graph_padding_rows_give_zero_and_write_nothing(specs):
+    n = sum(q for _, q in specs)
+    fast, oracle, fast_case, oracle_case = _both(lambda: Case(specs, seed=4), num_padding=5)
+    unpadded, _, _, _ = _both(lambda: Case(specs, seed=4))
+    assert fast.shape[0] == n + 5
+    assert torch.equal(fast[:n], unpadded)
+    assert torch.equal(fast[n:], oracle[n:]) and not fast[n:].any()
+    _assert_same_caches(fast_case, oracle_case)
+
+
+def test_padding_only_batch_writes_nothing():
+    cache = allocate_kv_cache(1, 2, 4, 1, 8, torch.float32, "cpu")[0]
+    cache.key.normal_()
+    before = cache.key.clone()
+    common = CommonAttentionMetadata.from_cpu([0], [], torch.zeros(0, 2), torch.full((3,), -1),
+                                              "cpu")
+    out = CpuAttnImpl(2, 1, 8, 0.3).forward(torch.randn(3, 2, 8), torch.randn(3, 1, 8),
+                                            torch.randn(3, 1, 8), cache,
+                                            CpuAttnBuilder("cpu").build(common))
+    assert out.shape == (3, 2, 8) and not out.any()
+    assert torch.equal(cache.key, before) and not cache.value.any()
+
+
+def test_draft_step_padding_rows_stay_finite():
+    """The draft-loop runner's padding rows: position 0, slot -1, seq_len 1."""
+    case = Case([(6, 1), (0, 1)], seed=9)
+    query, key, value, slots = case.new_token_inputs()
+    common = _common(case, torch.tensor([int(slots[0]), -1]))
+    common = common.with_updates(seq_lens=torch.tensor([7, 1], dtype=torch.int32))
+    meta = CpuAttnBuilder("cpu").build_for_drafting(common, 1)
+    out = CpuAttnImpl(4, 2, 16, case.scale).forward(query, key, value, case.cache, meta)
+    assert torch.isfinite(out).all()
+    oracle = TorchSDPAImpl(4, 2, 16, case.scale).forward(
+        query, key, value, case.cache, TorchSDPABuilder("cpu").build_for_drafting(common, 1))
+    torch.testing.assert_close(out[:1], oracle[:1], atol=1e-5, rtol=1e-5)
+
+
+def test_drafting_plan_equals_the_general_plan():
+    """build_for_drafting's one-comparison mask (decode rows) is build's mask."""
+    case = Case([(6, 1), (0, 1), (13, 1)], seed=10)
+    _, _, _, slots = case.new_token_inputs()
+    common = _common(case, torch.tensor([int(slots[0]), -1, int(slots[2])]))
+    fast = CpuAttnBuilder("cpu").build_for_drafting(common, 2)
+    general = CpuAttnBuilder("cpu").build(common)
+    assert torch.equal(fast.mask, general.mask) and fast.query_rows is None
+    assert torch.equal(fast.write_slots, general.write_slots)
+    assert torch.equal(fast.write_rows, general.write_rows)
+    for block_size in (1, 4):
+        assert torch.equal(fast.block_plan(block_size).mask, general.block_plan(block_size).mask)
+
+
+def test_block_plan_masks_the_last_blocks_tail():
+    case = Case([(6, 1), (2, 1)], block_size=4, seed=12)
+    _, _, _, slots = case.new_token_inputs()
+    meta = CpuAttnBuilder("cpu").build(_common(case, slots))
+    plan = meta.block_plan(4)
+    assert plan.width == 8 and plan.mask.shape == (2, 1, 1, 8)
+    assert torch.isinf(plan.mask[0, 0, 0, 7:]).all() and not plan.mask[0, 0, 0, :7].any()
+    assert torch.isinf(plan.mask[1, 0, 0, 3:]).all()
+    assert meta.block_plan(4) is plan  # computed once per step, shared by every layer
+
+
+def test_write_plan_worked_example():
+    slots, rows = _write_plan(torch.tensor([-1, 7, 9, -1]))
+    assert slots.tolist() == [7, 7, 9, 7] and rows.tolist() == [1, 1, 2, 1]
+    slots, rows = _write_plan(torch.tensor([-1, -1]))
+    assert slots.tolist() == [0, 0] and rows.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("method", [None, "eagle3"])
+def test_engine_greedy_outputs_equal_the_oracle_backend(method):
+    """The built-in pair, target-only and EAGLE-3: CPU_ATTN gives TORCH_SDPA's tokens."""
+    from rocdraft import LLM, SamplingParams, SpeculativeConfig
+    from rocdraft.builtin import builtin_paths
+
+    pair = builtin_paths()
+    spec = dict(draft=pair.eagle3, speculative_config=SpeculativeConfig("eagle3", 3)) \
+        if method else {}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 99, 310, 42, 7], [1, 2, 3], list(range(40, 71))]
+    outputs = {}
+    for backend in ("TORCH_SDPA", "CPU_ATTN"):
+        llm = LLM(pair.target, max_num_seqs=4, max_model_len=128, attention_backend=backend,
+                  **spec)
+        outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs["CPU_ATTN"] == outputs["TORCH_SDPA"]
