@@ -10,6 +10,9 @@ from rocdraft.errors import RocdraftError
 
 METHODS = ("eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
+DRAFT_POLICIES = ("cost", "fixed")
+DRAFT_COST_FIELDS = ("target_fixed", "target_per_token", "head_fixed", "head_per_token",
+                     "draft_step")
 
 
 def _kind(value) -> str:
@@ -109,8 +112,36 @@ class SpeculativeConfig:
     # min(k, cap // num_requests) drafts, so extra verification compute stays bounded as the
     # batch grows (speculation pays less at large batches). None: always k.
     max_draft_tokens_per_step: int | None = None
+    # How many of those drafts each request verifies per step (rocdraft/draft_policy.py):
+    # "cost" picks the count maximising expected tokens per second from the target's and the
+    # head's measured costs and running acceptance rates; "fixed" always verifies the maximum.
+    draft_policy: str = "cost"
+    # Given step costs in seconds instead of measuring them (deterministic choices):
+    # (target_fixed, target_per_token, head_fixed, head_per_token, draft_step), used at every
+    # batch size. None: measured once per batch bucket on dummy inputs.
+    draft_costs: tuple[float, ...] | None = None
+    acceptance_prior: float = 0.7  # conditional acceptance rate assumed before any is seen
 
     def __post_init__(self) -> None:
+        if not isinstance(self.draft_policy, str) or self.draft_policy not in DRAFT_POLICIES:
+            raise RocdraftError(f"unknown draft_policy {self.draft_policy!r}; valid: "
+                                f"{DRAFT_POLICIES}")
+        prior = _check_real("acceptance_prior", self.acceptance_prior)
+        if not 0.0 <= prior <= 1.0:
+            raise RocdraftError(f"acceptance_prior must be in [0, 1], got {prior}")
+        object.__setattr__(self, "acceptance_prior", prior)
+        if self.draft_costs is not None:
+            costs = self.draft_costs
+            if isinstance(costs, (str, bytes)) or not hasattr(costs, "__iter__") \
+                    or len(costs) != len(DRAFT_COST_FIELDS):
+                raise RocdraftError(f"draft_costs must be None or {len(DRAFT_COST_FIELDS)} "
+                                    f"seconds {DRAFT_COST_FIELDS}, got {costs!r}")
+            costs = tuple(_check_real(f"draft_costs[{i}] ({name})", c)
+                          for i, (name, c) in enumerate(zip(DRAFT_COST_FIELDS, costs)))
+            if min(costs) < 0 or costs[0] + costs[1] <= 0:
+                raise RocdraftError(f"draft_costs must be >= 0 with a positive target cost, "
+                                    f"got {costs}")
+            object.__setattr__(self, "draft_costs", costs)
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise RocdraftError(f"unknown speculative method {self.method!r}; valid: {METHODS}")
         for name, minimum, optional in (("max_speculative_tokens", 1, False),

@@ -14,18 +14,23 @@ import torch
 from rocdraft import envs
 from rocdraft.backends import registry
 from rocdraft.backends.base import Feature
-from rocdraft.backends.kv_cache import allocate_kv_cache
+from rocdraft.backends.kv_cache import PADDING_SLOT_ID, allocate_kv_cache
+from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.config import (EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig,
                              check_int)
+from rocdraft.draft_policy import (EXPLORE_EVERY, AcceptanceTracker, StepCosts, batch_bucket,
+                                   choose_num_drafts)
 from rocdraft.drafter.eagle import EagleProposer
 from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets, graph_capture_refusal
 from rocdraft.errors import RocdraftError
+from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_block,
+                                plan_kv_cache)
 from rocdraft.loading import load_draft_head, load_target_model
 from rocdraft.outputs import GenerationStats, RequestOutput
 from rocdraft.platform import detect_platform
 from rocdraft.rejection_sampler import rejection_sample
 from rocdraft.request import Request
-from rocdraft.sampler import SamplingTensors
+from rocdraft.sampler import SamplingTensorCache
 from rocdraft.scheduler import Scheduler, ScheduledRequest
 from rocdraft.step_batch import StepBatch, build_step_batch
 
@@ -39,7 +44,13 @@ class LLM:
                  device: str | None = None, attention_backend: str | None = None,
                  draft_attention_backend: str | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None) -> None:
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 kv_cache_memory: int | float | str | None = None,
+                 gpu_memory_utilization: float | None = None) -> None:
+        """KV-cache size (``rocdraft.kv_budget``): ``num_kv_blocks``, or ``kv_cache_memory``
+        bytes ("2GiB"), or ``gpu_memory_utilization`` (a fraction of the free GPU memory), or
+        by default what ``max_num_seqs`` x ``max_model_len`` needs, capped (256 MiB on the
+        CPU); the draft head's cache shares the same budget."""
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("num_kv_blocks", num_kv_blocks), ("max_model_len", max_model_len)):
@@ -53,6 +64,8 @@ class LLM:
         device = device or platform.device
         if device.startswith("cuda") and not platform.is_gpu:
             raise RocdraftError(f"device {device!r} requested but no GPU is visible; use cpu")
+        check_sizing(num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
+                     on_gpu=device != "cpu")
         self.config = EngineConfig(target=target, draft=draft, speculative=speculative_config,
                                    dtype=dtype, device=device,
                                    attention_backend=attention_backend,
@@ -74,12 +87,18 @@ class LLM:
         self.aux_layer_ids: tuple[int, ...] = ()  # target layers whose inputs EAGLE-3 reads
         self.draft_graph_refusal: str | None = "no speculative decoding"
         k = spec.num_speculative_tokens if spec else 0
-        max_blocks_per_seq = -(-(self.max_model_len + k) // block_size)
-        num_blocks = num_kv_blocks if num_kv_blocks is not None \
-            else max_num_seqs * max_blocks_per_seq
-        if num_blocks * block_size < self.max_model_len + k:
-            raise RocdraftError(f"num_kv_blocks {num_blocks} x block_size {block_size} cannot "
-                                f"hold one request of max_model_len {self.max_model_len}")
+        cache_specs = [self.target.kv_cache_spec()]
+        if spec:
+            cache_specs.append(head_cache_spec(self.config.draft, spec.method))
+        self.kv_cache_plan = plan_kv_cache(
+            block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+            num_lookahead_tokens=k, bytes_per_block=kv_bytes_per_block(
+                block_size, self.torch_dtype.itemsize, cache_specs),
+            num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            free_device_memory=None if device == "cpu" else torch.cuda.mem_get_info(device)[0])
+        num_blocks = self.kv_cache_plan.num_blocks
+        log.info("KV cache: %s", self.kv_cache_plan.describe())
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=block_size, num_blocks=num_blocks,
@@ -91,6 +110,7 @@ class LLM:
             self._setup_drafter(spec, kind, block_size, num_blocks, max_num_seqs,
                                 max_num_batched_tokens)
         self.last_stats = GenerationStats()
+        self.sampling_cache = SamplingTensorCache()  # a batch's sampling tensors, kept across steps
         # True: synchronise a GPU at each phase boundary so the time split is exact (bench).
         self.sync_timing = False
 
@@ -112,6 +132,11 @@ class LLM:
             registry.require(self.draft_backend.name, Feature.MULTI_TOKEN_DRAFTING,
                              f"drafting {spec.num_speculative_tokens} tokens per step")
         self.aux_layer_ids = self.head.aux_layer_ids(self.target.config.num_hidden_layers)
+        # Draft-count policy state: running acceptance per position, step costs per bucket.
+        self.acceptance = AcceptanceTracker(spec.num_speculative_tokens, spec.acceptance_prior)
+        self.step_costs: dict[int, StepCosts] = {}
+        self.given_step_costs = StepCosts(*spec.draft_costs) if spec.draft_costs else None
+        self.policy_steps = 0  # steps the cost policy chose for (drives its exploration)
         num_layers, num_kv_heads, head_dim = self.head.kv_cache_spec()
         self.draft_kv_caches = allocate_kv_cache(num_layers, num_blocks, block_size,
                                                  num_kv_heads, head_dim, self.torch_dtype,
@@ -226,6 +251,8 @@ class LLM:
         return time.perf_counter()
 
     def _step(self, scheduler: Scheduler, stats: GenerationStats) -> None:
+        if self.proposer is not None and not scheduler.running:
+            self._ensure_step_costs(scheduler)
         t0 = self._clock()
         scheduled = scheduler.schedule()
         batch = build_step_batch(scheduled, self.scheduler_config.max_blocks_per_seq,
@@ -238,22 +265,26 @@ class LLM:
         logits = self.target.compute_logits(out.hidden_states[flat]).view(
             len(scheduled), batch.max_drafts + 1, -1)
         t2 = self._clock()
-        sampling = SamplingTensors.build(
-            [s.request.params for s in scheduled], [None] * len(scheduled), self.device,
-            position_seeds=[(s.request.params.seed, len(s.request.output_token_ids))
-                            if samples and s.request.params.seed is not None else None
-                            for s, samples in zip(scheduled, batch.samples)])
+        sampling = self.sampling_cache.get([s.request.params for s in scheduled], self.device)
+        if sampling.any_seeded:  # a seeded row's noise depends on its output length
+            sampling = sampling.with_position_seeds([
+                (s.request.params.seed, len(s.request.output_token_ids))
+                if samples and s.request.params.seed is not None else None
+                for s, samples in zip(scheduled, batch.samples)])
         sampled = rejection_sample(logits, batch.draft_token_ids, batch.num_draft_tokens,
                                    batch.num_draft_tokens_cpu, sampling)
         t3 = self._clock()
-        drafts = None
+        drafts, num_drafts = None, 0
         if self.proposer is not None:
+            num_drafts = self._choose_num_drafts(scheduled)
+        if num_drafts or (self.proposer is not None and self._has_prefill(scheduled)):
             hidden = out.aux_hidden_states if self.aux_layer_ids else out.hidden_states
-            drafts = self._propose(batch, sampled, hidden)
+            drafts = self._propose(batch, sampled, hidden, max(num_drafts, 1))
         t4 = self._clock()
         sampled_cpu = sampled.tolist()  # the one device-to-host sync of a step
         drafts_cpu = drafts.tolist() if drafts is not None else None
-        self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu, stats)
+        self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu, stats,
+                              num_drafts)
         t5 = self._clock()
         stats.num_steps += 1
         stats.time_s["bookkeeping"] += (t1 - t0) + (t5 - t4)
@@ -262,19 +293,144 @@ class LLM:
         stats.time_s["draft"] += t4 - t3
 
     def drafts_per_request(self, batch_size: int) -> int:
-        """Drafts each request verifies next step: k, or fewer when
-        ``max_draft_tokens_per_step`` caps the batch's total (0: plain decoding)."""
+        """The most drafts each request may verify next step: k, or fewer when
+        ``max_draft_tokens_per_step`` caps the batch's total (0: plain decoding). The draft
+        policy picks at most this many (``_choose_num_drafts``)."""
         spec = self.config.speculative
         if spec.max_draft_tokens_per_step is None:
             return spec.num_speculative_tokens
         return min(spec.num_speculative_tokens, spec.max_draft_tokens_per_step // batch_size)
 
-    def _propose(self, batch: StepBatch, sampled: torch.Tensor, hidden) -> torch.Tensor:
-        """Drafts [batch_size, n] for every row (rows that did not sample are discarded), with
-        n = drafts_per_request (at least 1: the first draft forward also keeps the head's KV
-        cache in step with the target's)."""
+    @staticmethod
+    def _has_prefill(scheduled: list[ScheduledRequest]) -> bool:
+        """Some request computes prompt tokens this step: the head must see them too."""
+        return any(s.num_new_tokens - s.num_draft_tokens > 1 or not s.completes_prefill
+                   or not s.request.output_token_ids for s in scheduled)
+
+    def _choose_num_drafts(self, scheduled: list[ScheduledRequest]) -> int:
+        """Drafts per request to make now (verified next step): the cap, or with
+        ``draft_policy="cost"`` the count maximising expected tokens per second
+        (rocdraft/draft_policy.py). 0: the drafter is skipped unless a prompt is in the step."""
+        spec = self.config.speculative
+        batch_size = len(scheduled)
+        cap = self.drafts_per_request(batch_size)
+        if spec.draft_policy == "fixed" or cap == 0:
+            return cap
+        costs = self._costs_for(batch_size)
+        if costs is None:  # nothing measured yet (a step run outside generate): the cap
+            return cap
+        self.policy_steps += 1
+        return choose_num_drafts(costs, self.acceptance.rates, batch_size, cap,
+                                 explore=self.policy_steps % EXPLORE_EVERY == 0)
+
+    def _costs_for(self, batch_size: int) -> StepCosts | None:
+        """The given costs, else those of the batch's bucket, else the nearest measured."""
+        if self.given_step_costs is not None:
+            return self.given_step_costs
+        if not self.step_costs:
+            return None
+        bucket = batch_bucket(batch_size)
+        if bucket in self.step_costs:
+            return self.step_costs[bucket]
+        below = [b for b in self.step_costs if b <= bucket]
+        return self.step_costs[max(below) if below else min(self.step_costs)]
+
+    def _ensure_step_costs(self, scheduler: Scheduler) -> None:
+        """Measure the step costs of each batch bucket (once per engine) up to the largest
+        batch this scheduler's queue can form, while no request holds KV blocks (the dummy
+        forwards may then write anywhere in the caches)."""
+        spec = self.config.speculative
+        if spec.draft_policy != "cost" or self.given_step_costs is not None \
+                or scheduler.running \
+                or scheduler.allocator.num_free_blocks != self.scheduler_config.num_blocks:
+            return
+        largest = batch_bucket(min(max(len(scheduler.waiting), 1),
+                                   self.scheduler_config.max_num_seqs))
+        missing = [1 << i for i in range(largest.bit_length()) if 1 << i not in self.step_costs]
+        if not missing:
+            return
+        start = time.perf_counter()
+        for bucket in missing:
+            self.step_costs[bucket] = self._measure_step_costs(bucket)
+        log.info("draft policy: measured step costs of batch buckets %s in %.2f s", missing,
+                 time.perf_counter() - start)
+
+    def _sync(self) -> None:
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def _measure_step_costs(self, batch_size: int, repeats: int = 3) -> StepCosts:
+        """Time the target forward (with logits) and the head's first forward over 1 and
+        k + 1 tokens per request, and the k - 1 draft steps, on dummy inputs (token 0 after
+        a typical context); -> StepCosts fitted as in draft_policy.StepCosts.from_timings.
+        The five runs are interleaved and each keeps its minimum over ``repeats`` rounds
+        (after a warm-up round), so a burst of machine noise hits them alike."""
+        k = self.config.speculative.num_speculative_tokens
+        cfg = self.scheduler_config
+        # Within the engine's limits (a bucket may round above max_num_seqs).
+        batch_size = min(batch_size, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        # A typical context (attention over it is part of the verification cost; longer
+        # contexts make verifying dearer than measured here).
+        context = max(min(256, self.max_model_len - 2 * k - 2), 0)
+        top = max(min(k + 1, cfg.max_num_batched_tokens // batch_size,
+                      self.max_model_len - context), 1)  # tokens per request, verify-like
+        # Each request reads its own blocks (as real ones do), wrapping around the cache.
+        per_request = -(-(context + 2 * k + 2) // cfg.block_size)
+        block_table = ((torch.arange(cfg.max_blocks_per_seq).unsqueeze(0)
+                        + per_request * torch.arange(batch_size).unsqueeze(1))
+                       % cfg.num_blocks).to(torch.int32)
+        runs = {}
+        for q in sorted({1, top}):
+            num_tokens = batch_size * q
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            positions = (context + torch.arange(q)).repeat(batch_size).to(self.device)
+            slots = torch.full((num_tokens,), PADDING_SLOT_ID, dtype=torch.long)
+            common = CommonAttentionMetadata.from_cpu(
+                list(range(0, num_tokens + 1, q)), [context + q] * batch_size, block_table,
+                slots, self.device)
+            last = (common.query_start_loc[1:] - 1).long()
+            zeros = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+            hidden = {}
+
+            def target(ids=ids, positions=positions, common=common, hidden=hidden):
+                out = self.target(ids, positions, self.kv_caches, self.builder.build(common),
+                                  aux_layer_ids=self.aux_layer_ids)
+                self.target.compute_logits(out.hidden_states)
+                hidden["h"] = out.aux_hidden_states if self.aux_layer_ids \
+                    else out.hidden_states
+
+            def head(n, ids=ids, positions=positions, common=common, hidden=hidden,
+                     last=last, zeros=zeros):
+                self.proposer.propose(ids, positions, hidden["h"], zeros, last, common,
+                                      self.draft_kv_caches, num_rejected=zeros, num_drafts=n)
+
+            runs["target", q] = target
+            runs["head", q, 1] = lambda head=head: head(1)
+            if q == 1 and k > 1:
+                runs["head", 1, k] = lambda head=head: head(k)
+        best = dict.fromkeys(runs, float("inf"))
+        for round_index in range(repeats + 1):
+            for key, fn in runs.items():  # target first: the heads read its hidden states
+                self._sync()
+                start = time.perf_counter()
+                fn()
+                self._sync()
+                if round_index:
+                    best[key] = min(best[key], time.perf_counter() - start)
+        draft_k = best["head", 1, k] - best["head", 1, 1] if k > 1 else 0.0
+        return StepCosts.from_timings(batch_size, k, best["target", 1], best["target", top],
+                                      best["head", 1, 1], best["head", top, 1], draft_k,
+                                      tokens_per_request=top)
+
+    def _propose(self, batch: StepBatch, sampled: torch.Tensor, hidden,
+                 num_drafts: int | None = None) -> torch.Tensor:
+        """Drafts [batch_size, num_drafts] for every row (rows that did not sample are
+        discarded); num_drafts >= 1 (the first draft forward also keeps the head's KV
+        cache in step with the target's), default the cap ``drafts_per_request``."""
         proposer, spec = self.proposer, self.config.speculative
-        num_drafts = max(self.drafts_per_request(batch.common.num_reqs), 1)
+        if num_drafts is None:
+            num_drafts = max(self.drafts_per_request(batch.common.num_reqs), 1)
         discard = batch.discard_request
         if spec.padded_drafting:
             next_ids, _, indices, rejected = proposer.prepare_padded(
@@ -297,9 +453,11 @@ class LLM:
                                 self.draft_kv_caches, num_drafts=num_drafts)
 
     def _update_requests(self, scheduler: Scheduler, scheduled: list[ScheduledRequest],
-                         batch: StepBatch, sampled_cpu, drafts_cpu, stats: GenerationStats
-                         ) -> None:
-        per_request = self.drafts_per_request(len(scheduled)) if drafts_cpu is not None else 0
+                         batch: StepBatch, sampled_cpu, drafts_cpu, stats: GenerationStats,
+                         per_request: int = 0) -> None:
+        """Append the step's tokens, advance the scheduler, keep ``per_request`` drafts per
+        request for the next step and feed the acceptance estimate."""
+        verified, accepted = [], []
         for row, item in enumerate(scheduled):
             req = item.request
             if not batch.samples[row]:  # partial prefill: nothing sampled yet
@@ -309,10 +467,14 @@ class LLM:
             num_accepted = len(tokens) - 1
             if item.num_draft_tokens:
                 stats.record_verification(item.num_draft_tokens, num_accepted)
+                verified.append(item.num_draft_tokens)
+                accepted.append(num_accepted)
             scheduler.update_after_step(item, num_accepted)
             req.append_tokens(tokens, self.max_model_len)
             if req.is_finished:
                 scheduler.finish(req)
-            elif drafts_cpu is not None:
+            elif drafts_cpu is not None and per_request:
                 room = min(self.max_model_len - req.num_tokens, per_request)
                 req.spec_token_ids = drafts_cpu[row][:max(room, 0)]
+        if verified:
+            self.acceptance.update(verified, accepted)

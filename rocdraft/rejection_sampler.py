@@ -35,6 +35,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     batch_size, width, vocab = target_logits.shape
     max_drafts = width - 1
     device = target_logits.device
+    if max_drafts == 0 and sampling.all_greedy:  # plain greedy decoding: one op
+        return target_logits.argmax(dim=-1)
     positions = torch.arange(width, device=device).unsqueeze(0)  # [1, width]
     is_draft = positions[:, :max_drafts] < num_draft_tokens.unsqueeze(1)  # [B, max_drafts]
     drafts = draft_token_ids.long()
@@ -52,9 +54,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
 
     # Accepted drafts equal the emitted tokens, so a row is its emitted tokens up to and
     # including the first mismatch (or the bonus), then -1.
-    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
-    out = torch.where(positions <= num_accepted.unsqueeze(1), emitted, -1)
-    return out
+    num_accepted = accepted.cumprod(dim=1).sum(dim=1, keepdim=True)  # [B, 1]
+    return emitted.masked_fill(positions > num_accepted, -1)
 
 
 def _position_noise(num_drafts: list[int], width: int, vocab: int,

@@ -30,7 +30,24 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt + output (a new list: O(length); per step use ``token_ids_slice``)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` (0 <= start <= end) without concatenating the lists:
+        O(end - start)."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
+    def token_id_at(self, index: int) -> int:
+        """``all_token_ids[index]`` for 0 <= index < num_tokens, in O(1)."""
+        prompt_len = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < prompt_len \
+            else self.output_token_ids[index - prompt_len]
 
     @property
     def num_tokens(self) -> int:

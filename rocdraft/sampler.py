@@ -7,7 +7,7 @@ on its batch neighbours nor on how many drafts were verified in each step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,10 @@ class SamplingTensors:
     # [num_rows] (seed, index of the row's first output token) or None; takes precedence over
     # the row's generator: position j then draws from a generator seeded by (seed, index + j).
     position_seeds: tuple[tuple[int, int] | None, ...] | None = None
+    any_seeded: bool = False  # some row's params carry a seed
+
+    def with_position_seeds(self, position_seeds: list) -> "SamplingTensors":
+        return replace(self, position_seeds=tuple(position_seeds))
 
     @staticmethod
     def build(params: list, generators: list, device,
@@ -38,7 +42,25 @@ class SamplingTensors:
             top_k=dev([max(p.top_k, 0) for p in params], torch.long),
             top_p=dev([p.top_p for p in params], torch.float32),
             generators=tuple(generators), all_greedy=all(p.greedy for p in params),
-            position_seeds=tuple(position_seeds) if position_seeds is not None else None)
+            position_seeds=tuple(position_seeds) if position_seeds is not None else None,
+            any_seeded=any(p.seed is not None for p in params))
+
+
+class SamplingTensorCache:
+    """The SamplingTensors of the last batch seen, rebuilt only when its rows' params change
+    (continuous batching keeps a batch for many steps). Rows use the default generator; the
+    caller sets the per-step ``position_seeds`` of seeded rows."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: SamplingTensors | None = None
+
+    def get(self, params: list, device) -> SamplingTensors:
+        key = (str(device), tuple(params))
+        if key != self._key:
+            self._key = key
+            self._value = SamplingTensors.build(params, [None] * len(params), device)
+        return self._value
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rocdraft.backends.kv_cache import compute_slot_mapping
+from rocdraft.backends.kv_cache import PADDING_SLOT_ID
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.platform import host_to_device
 from rocdraft.scheduler import ScheduledRequest
@@ -38,28 +38,33 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     tokens (``sample_indices``). Unallocated block-table entries are -1, so any slot computed
     from them is negative and never written.
     """
-    ids, positions, req_rows, qsl, seq_lens = [], [], [], [0], []
+    ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
     max_drafts = max((s.num_draft_tokens for s in scheduled), default=0)
-    sample_rows, draft_rows, backups = [], [], []
-    block_table = torch.full((len(scheduled), max_blocks_per_seq), -1, dtype=torch.int32)
-    for row, item in enumerate(scheduled):
+    sample_rows, draft_rows, backups, table_rows = [], [], [], []
+    for item in scheduled:
         req, n, d = item.request, item.num_new_tokens, item.num_draft_tokens
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start:start + n - d] + req.spec_token_ids[:d]
-        ids += tokens
+        ids += req.token_ids_slice(start, start + n - d)
+        ids += req.spec_token_ids[:d]
         positions += range(start, start + n)
-        req_rows += [row] * n
+        blocks = req.block_ids
+        # Slot of position p: blocks[p // block_size] * block_size + p % block_size (host
+        # ints: one tensor per step instead of a gather per request).
+        slots += [blocks[p // block_size] * block_size + p % block_size
+                  if p // block_size < len(blocks) else PADDING_SLOT_ID
+                  for p in range(start, start + n)]
         qsl.append(qsl[-1] + n)
         seq_lens.append(start + n)
-        block_table[row, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
+        table_rows.append(blocks + [-1] * (max_blocks_per_seq - len(blocks)))
         last = qsl[-1] - 1
         sample_rows.append([min(last - d + j, last) for j in range(max_drafts + 1)])
         draft_rows.append(req.spec_token_ids[:d] + [0] * (max_drafts - d))
         next_index = start + n
-        backups.append(req.all_token_ids[next_index] if next_index < req.num_tokens else 0)
-    positions_t = torch.tensor(positions, dtype=torch.long)
-    slots = compute_slot_mapping(block_table, torch.tensor(req_rows), positions_t, block_size)
-    common = CommonAttentionMetadata.from_cpu(qsl, seq_lens, block_table, slots, device)
+        backups.append(req.token_id_at(next_index) if next_index < req.num_tokens else 0)
+    block_table = torch.tensor(table_rows, dtype=torch.int32).view(len(scheduled),
+                                                                   max_blocks_per_seq)
+    common = CommonAttentionMetadata.from_cpu(qsl, seq_lens, block_table,
+                                              torch.tensor(slots, dtype=torch.long), device)
     num_drafts = [s.num_draft_tokens for s in scheduled]
     samples = [s.completes_prefill for s in scheduled]
 
@@ -67,7 +72,7 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         return host_to_device(torch.tensor(values, dtype=dtype), device)
 
     return StepBatch(
-        input_ids=dev(ids), positions=host_to_device(positions_t, device), common=common,
+        input_ids=dev(ids), positions=dev(positions), common=common,
         sample_indices=dev(sample_rows),
         draft_token_ids=dev(draft_rows).view(len(scheduled), max_drafts),
         num_draft_tokens=dev(num_drafts), num_draft_tokens_cpu=num_drafts, samples=samples,

@@ -166,6 +166,17 @@ def test_speculative_without_draft(draft):
     (SpeculativeConfig, dict(method=["eagle"]), ("method", "['eagle']", "eagle3")),
     (SpeculativeConfig, dict(enforce_eager=1), ("enforce_eager", "1", "int")),
     (SpeculativeConfig, dict(padded_drafting="yes"), ("padded_drafting", "'yes'")),
+    (SpeculativeConfig, dict(draft_policy="greedy"), ("draft_policy", "'greedy'", "fixed")),
+    (SpeculativeConfig, dict(draft_policy=None), ("draft_policy", "None", "cost")),
+    (SpeculativeConfig, dict(acceptance_prior=1.5), ("acceptance_prior", "1.5", "[0, 1]")),
+    (SpeculativeConfig, dict(acceptance_prior="0.7"), ("acceptance_prior", "'0.7'")),
+    (SpeculativeConfig, dict(acceptance_prior=math.nan), ("acceptance_prior", "nan")),
+    (SpeculativeConfig, dict(draft_costs=(1.0, 2.0)), ("draft_costs", "5", "draft_step")),
+    (SpeculativeConfig, dict(draft_costs="fast"), ("draft_costs", "'fast'")),
+    (SpeculativeConfig, dict(draft_costs=(1, 0, 0, 0, math.inf)),
+     ("draft_costs[4]", "draft_step", "inf")),
+    (SpeculativeConfig, dict(draft_costs=(1, 0, -1, 0, 0)), ("draft_costs", ">= 0")),
+    (SpeculativeConfig, dict(draft_costs=(0, 0, 0, 0, 0)), ("draft_costs", "positive")),
     (SchedulerConfig, dict(max_num_seqs=2.5), ("max_num_seqs", "2.5")),
     (SchedulerConfig, dict(block_size=16.0), ("block_size", "16.0")),
     (SchedulerConfig, dict(num_blocks=math.nan), ("num_blocks", "nan")),
@@ -212,3 +223,11 @@ def test_integral_and_real_values_are_normalised():
         is int
     assert type(SchedulerConfig(block_size=np.int64(32)).block_size) is int
     assert EngineConfig(target=Path("t"), draft=Path("d"), speculative=SpeculativeConfig())
+
+
+def test_draft_policy_defaults_and_given_costs():
+    c = SpeculativeConfig()
+    assert c.draft_policy == "cost" and c.draft_costs is None and c.acceptance_prior == 0.7
+    given = SpeculativeConfig(draft_policy="fixed", draft_costs=[0.01, 1, 0, 0, 0.002])
+    assert given.draft_costs == (0.01, 1.0, 0.0, 0.0, 0.002)
+    assert all(type(v) is float for v in given.draft_costs)

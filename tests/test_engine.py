@@ -200,3 +200,104 @@ def test_bad_environment_variables_name_the_variable(checkpoints, monkeypatch, v
         LLM(str(checkpoints["llama"]))
     for fragment in fragments:
         assert fragment in str(exc.value), (fragment, str(exc.value))
+
+
+# --- speculative step: draft-count policy and ops per step -------------------------------
+
+SPEC_PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11]
+SPEC_GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cyclic_pair(tmp_path_factory):
+    """A target and a random EAGLE-3 head (drafts rejected: the policy's choice is visible
+    only through the counts; outputs must not depend on it)."""
+    from checkpoints import write_eagle3_head
+
+    root = tmp_path_factory.mktemp("policy")
+    target = write_tiny_llama(root / "target", kind="deep")
+    head = write_eagle3_head(root / "eagle3", target)
+    reference = [o.token_ids for o in LLM(str(target)).generate(SPEC_PROMPTS, SPEC_GREEDY)]
+    return str(target), str(head), reference
+
+
+@pytest.mark.parametrize("draft_costs, drafts_verified", [
+    ((1.0, 0.0, 0.0, 0.0, 0.0), "all"),  # verification and drafts free: always k
+    ((1e-3, 1.0, 0.0, 1.0, 1.0), "none"),  # every extra token costs a full step: never
+    (None, "any"),  # measured at start-up
+])
+def test_draft_policy_keeps_greedy_outputs_identical_to_target_only(cyclic_pair, draft_costs,
+                                                                    drafts_verified):
+    from rocdraft.config import SpeculativeConfig
+
+    target, head, reference = cyclic_pair
+    spec = SpeculativeConfig("eagle3", 3, draft_costs=draft_costs)
+    llm = LLM(target, draft=head, speculative_config=spec)
+    assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
+    proposed = llm.last_stats.proposed_at_position
+    if drafts_verified == "all":
+        assert proposed[2] == llm.last_stats.num_verify_steps > 0
+    elif drafts_verified == "none":
+        assert llm.last_stats.num_verify_steps == 0
+    else:
+        assert sorted(llm.step_costs) == [1, 2, 4]  # buckets up to the 4 prompts
+
+
+def test_step_costs_are_measured_once_per_engine(cyclic_pair):
+    from rocdraft.config import SpeculativeConfig
+
+    target, head, reference = cyclic_pair
+    llm = LLM(target, draft=head, speculative_config=SpeculativeConfig("eagle3", 2))
+    llm.generate(SPEC_PROMPTS[:2], SPEC_GREEDY)
+    first = dict(llm.step_costs)
+    assert sorted(first) == [1, 2] and all(c.target_fixed + c.target_per_token > 0
+                                           for c in first.values())
+    assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
+    assert sorted(llm.step_costs) == [1, 2, 4]  # the larger batch's bucket is added...
+    assert all(llm.step_costs[b] is first[b] for b in first)  # ...the others kept
+    again = dict(llm.step_costs)
+    llm.generate(SPEC_PROMPTS, SPEC_GREEDY)
+    assert llm.step_costs == again
+    # The "fixed" policy and given costs never measure.
+    fixed = LLM(target, draft=head,
+                speculative_config=SpeculativeConfig("eagle3", 2, draft_policy="fixed"))
+    assert [o.token_ids for o in fixed.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
+    assert fixed.step_costs == {}
+
+
+def count_ops(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        result = fn()
+    return Counter.n, result
+
+
+def test_greedy_rejection_without_drafts_is_one_op():
+    from rocdraft.rejection_sampler import rejection_sample
+    from rocdraft.sampler import SamplingTensors
+
+    logits = torch.randn(8, 1, 32)
+    sampling = SamplingTensors.build([SamplingParams(temperature=0.0)] * 8, [None] * 8, "cpu")
+    drafts, num_drafts = torch.zeros(8, 0, dtype=torch.long), torch.zeros(8, dtype=torch.long)
+    ops, out = count_ops(lambda: rejection_sample(logits, drafts, num_drafts, [0] * 8, sampling))
+    assert ops == 1 and out.tolist() == logits.argmax(-1).tolist()
+
+
+def test_cost_measurement_fits_small_engine_limits(cyclic_pair):
+    """Buckets round up past max_num_seqs and k + 1 tokens per request may exceed the token
+    budget: the measurement stays within both (the proposer refuses larger batches)."""
+    from rocdraft.config import SpeculativeConfig
+
+    target, head, reference = cyclic_pair
+    llm = LLM(target, draft=head, speculative_config=SpeculativeConfig("eagle3", 4),
+              max_num_seqs=3, max_num_batched_tokens=8)
+    assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
+    assert sorted(llm.step_costs) == [1, 2, 4]

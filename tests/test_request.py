@@ -161,3 +161,16 @@ def test_matches_naive_stream(tokens, cuts, prompt_len, max_tokens, max_model_le
     assert appended == len(expected)
     assert req.finish_reason == reason
     assert req.is_finished == (reason is not None)
+
+
+@settings(max_examples=50, deadline=None)
+@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=6),
+       output=st.lists(st.integers(0, 99), max_size=6), data=st.data())
+def test_token_slices_equal_all_token_ids_without_building_it(prompt, output, data):
+    req = Request(0, prompt, SamplingParams())
+    req.output_token_ids = list(output)
+    total = req.all_token_ids
+    start = data.draw(st.integers(0, len(total)))
+    end = data.draw(st.integers(start, len(total)))
+    assert req.token_ids_slice(start, end) == total[start:end]
+    assert [req.token_id_at(i) for i in range(len(total))] == total

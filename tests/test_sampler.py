@@ -209,3 +209,17 @@ def test_sampled_token_distribution_matches_target_probs(temperature, top_k, top
     assert bool((counts[want == 0] == 0).all())
     assert 0.5 * (counts / n - want).abs().sum() < 0.02
     assert chi_square_p_value(counts, want) > 1e-3
+
+
+def test_sampling_tensor_cache_rebuilds_only_when_the_batch_params_change():
+    from rocdraft.sampler import SamplingTensorCache
+
+    cache = SamplingTensorCache()
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, seed=3)
+    first = cache.get([greedy, greedy], "cpu")
+    assert cache.get([greedy, SamplingParams(temperature=0.0)], "cpu") is first  # equal params
+    assert first.all_greedy and not first.any_seeded
+    mixed = cache.get([greedy, hot], "cpu")
+    assert mixed is not first and mixed.temperature.tolist() == [0.0, 0.5] and mixed.any_seeded
+    seeded = mixed.with_position_seeds([None, (3, 7)])
+    assert seeded.position_seeds == (None, (3, 7)) and mixed.position_seeds is None

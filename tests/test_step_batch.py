@@ -183,3 +183,28 @@ def test_matches_naive_loop(rows):
         d = item.num_draft_tokens
         verified = batch.input_ids[batch.sample_indices[row, 1:d + 1]].tolist()
         assert verified == item.request.spec_token_ids[:d]
+
+
+def test_ops_per_step_do_not_grow_with_the_batch():
+    """Block table and slots are built from host ints: the tensor ops of one step are the
+    same for 1 and 16 decode requests (the old per-request block-table copies grew with B)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(batch_size):
+        rows = [ScheduledRequest(make_request(i, [20, 21, 22], [23, 24], 4, [i, 20 + i],
+                                              drafts=[30, 31]), 3, 2)
+                for i in range(batch_size)]
+        with Counter() as counter:
+            build_step_batch(rows, max_blocks_per_seq=3, block_size=BLOCK_SIZE, device="cpu")
+        return counter.n
+
+    assert ops(1) == ops(16)
