@@ -1,27 +1,56 @@
-"""``rocdraft bench``: target-only vs speculative decoding, side by side in one process.
+"""``rocdraft bench``: target-only vs speculative decoding (and, with ``--compare-hf``,
+transformers ``generate`` and prompt lookup on the same target), side by side in one process.
 
-For each batch size the two engines run alternately on the same prompts (held-out standard
-library code by default), ``--repeat`` times, and the report gives tokens/s of each, the
-speedup, acceptance, and where the speculative step's time went.
+What one row measures: every batch size b runs the same prompt set (``--num-prompts`` N,
+default 8, held-out standard library code unless ``--prompts-file``), in batches of b
+(``ceil(N / b)`` ``generate`` calls; a batch size above N runs the first b prompts of the pool,
+cycling a short prompts file, so that row has b prompts). Every repeat runs each system once
+over the whole set, in rotating order (repeat r starts with system r mod the number of
+systems), and the report gives min / median / max tokens/s over the repeats. Everything gets
+the same prompt token ids (rocdraft's tokenizer) and the same ``--max-new-tokens`` (EOS
+ignored); the torch thread count is reported (``--threads`` sets it).
+
+The transformers peer loads the target directory with ``AutoModelForCausalLM`` in the bench's
+dtype on the bench's device and decodes greedily (``eos_token_id=None``, so exactly
+``--max-new-tokens`` tokens); batches of b > 1 are left-padded with an attention mask. Prompt
+lookup (``prompt_lookup_num_tokens=4``, no draft model) runs at batch size 1 only: transformers'
+assisted generation takes one sequence at a time. Greedy outputs are checked: speculative
+against target-only, and target-only against transformers ``generate`` (mismatching prompts
+are counted; at bs > 1 left padding may change float rounding, so only bs 1 is expected exact).
 """
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
+
+PROMPT_LOOKUP_TOKENS = 4
+SYSTEM_LABELS = {"target_only": "rocdraft target-only", "speculative": "rocdraft {method} k={k}",
+                 "hf_generate": "transformers generate",
+                 "hf_prompt_lookup": f"transformers prompt lookup ({PROMPT_LOOKUP_TOKENS})"}
 
 
 def add_bench_parser(sub, add_model_args) -> None:
     bench = sub.add_parser("bench", help="benchmark speculative vs target-only decoding")
     add_model_args(bench)
     bench.add_argument("--prompts-file", help="one prompt per line (.jsonl: JSON strings)")
+    bench.add_argument("--num-prompts", type=int, default=8,
+                       help="prompts every batch size runs, in batches of the batch size "
+                            "(default 8; a larger batch size runs that many)")
     bench.add_argument("--batch-size", type=int, action="append", default=None,
                        help="batch size to measure; may repeat (default: 1 and 8)")
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--repeat", type=int, default=2)
+    bench.add_argument("--repeat", type=int, default=3,
+                       help="runs of each system per batch size; min/median/max reported")
+    bench.add_argument("--threads", type=int, default=None,
+                       help="torch threads (torch.set_num_threads; default: torch's choice)")
+    bench.add_argument("--compare-hf", action="store_true",
+                       help="also run transformers generate and prompt lookup on the target "
+                            "(needs transformers: the test extra)")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", help="write a PNG: speedup vs batch size, acceptance per "
                                       "position (needs the plot extra: matplotlib)")
@@ -30,32 +59,97 @@ def add_bench_parser(sub, add_model_args) -> None:
 def _progress(done: int, total: int, label: str) -> None:
     width = 30
     filled = int(width * done / max(total, 1))
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<24}")
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<28}")
     if done == total:
         sys.stderr.write("\n")
     sys.stderr.flush()
 
 
-def _prompts(args, tokenizer) -> list:
+def _prompt_pool(args, tokenizer, needed: int) -> list[list[int]]:
+    """Prompt token ids (rocdraft's tokenizer): the prompts file, or held-out code."""
     from rocdraft.cli import read_prompts_file
+    from rocdraft.errors import RocdraftError
 
     if args.prompts_file:
-        return read_prompts_file(args.prompts_file)
-    from rocdraft.corpus import heldout_prompts
+        texts = read_prompts_file(args.prompts_file)
+    else:
+        from rocdraft.corpus import heldout_prompts
 
-    return heldout_prompts(n=64, prompt_tokens=96, seed=0, tokenizer=tokenizer)
+        texts = heldout_prompts(n=max(64, needed), prompt_tokens=96, seed=0, tokenizer=tokenizer)
+    if tokenizer is None:
+        raise RocdraftError("rocdraft bench needs the target's tokenizer.json to encode its "
+                            "prompts")
+    return [tokenizer.encode(t) for t in texts]
+
+
+def prompt_set(pool: list, num_prompts: int, batch_size: int) -> list:
+    """The prompts one batch size runs: max(num_prompts, batch_size) of the pool, cycling it.
+    pool [a, b, c], num_prompts 4, batch_size 2 -> [a, b, c, a]; batch_size 5 -> [a, b, c, a, b].
+    """
+    return [pool[i % len(pool)] for i in range(max(num_prompts, batch_size))]
+
+
+def batches_of(items: list, batch_size: int) -> list[list]:
+    """[p0..p7] in batches of 3 -> [[p0, p1, p2], [p3, p4, p5], [p6, p7]]."""
+    return [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+
+
+def rotated(names: list, repeat_index: int) -> list:
+    """Repeat r runs the systems starting with the r-th: [a, b, c], r 1 -> [b, c, a]."""
+    shift = repeat_index % len(names)
+    return names[shift:] + names[:shift]
+
+
+def spread(values: list[float]) -> dict:
+    return {"min": round(min(values), 2), "median": round(statistics.median(values), 2),
+            "max": round(max(values), 2)}
+
+
+class HFPeer:
+    """transformers on the same target: greedy ``generate`` and prompt lookup."""
+
+    def __init__(self, target: str, dtype: str, device: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            target, dtype=getattr(torch, dtype)).to(device).eval()
+        self.device = device
+        pad = self.model.generation_config.pad_token_id
+        self.pad_token_id = pad if isinstance(pad, int) else 0
+
+    def generate(self, batch: list[list[int]], max_new_tokens: int,
+                 prompt_lookup: bool = False) -> list[list[int]]:
+        """batch: prompt token ids (left-padded here) -> the new token ids of each."""
+        torch = self.torch
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.tensor([[self.pad_token_id] * (width - len(ids)) + ids
+                                  for ids in batch], device=self.device)  # [batch, width]
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch],
+                            device=self.device)
+        extra = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS} if prompt_lookup else {}
+        with torch.inference_mode():
+            out = self.model.generate(input_ids, attention_mask=mask, do_sample=False,
+                                      max_new_tokens=max_new_tokens, eos_token_id=None,
+                                      pad_token_id=self.pad_token_id, **extra)
+        return [row[width:].tolist() for row in out]
 
 
 def run_bench(args) -> int:
+    import torch
+
+    threads = torch.get_num_threads()
     try:
         return _run_bench(args)
     except KeyboardInterrupt:
         sys.stderr.write("\n")  # end the progress line, so the CLI's message stands alone
         raise
+    finally:
+        torch.set_num_threads(threads)  # --threads ends with the bench (in-process callers)
 
 
-def _run_bench(args) -> int:
-    from rocdraft.cli import make_llm
+def _check_args(args) -> list[int]:
     from rocdraft.config import SamplingParams
     from rocdraft.errors import RocdraftError
 
@@ -64,14 +158,38 @@ def _run_bench(args) -> int:
     bad = [b for b in batch_sizes if b < 1]
     if bad:
         raise RocdraftError(f"--batch-size must be >= 1, got {bad}")
-    if args.repeat < 1:
-        raise RocdraftError(f"--repeat must be >= 1, got {args.repeat}")
+    for flag, value in (("--repeat", args.repeat), ("--num-prompts", args.num_prompts),
+                        ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise RocdraftError(f"{flag} must be >= 1, got {value}")
+    if args.compare_hf and args.temperature != 0.0:
+        raise RocdraftError(f"--compare-hf compares greedy decoding; drop --temperature "
+                            f"{args.temperature} (or set it to 0)")
+    if args.compare_hf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise RocdraftError("--compare-hf needs transformers: pip install "
+                                "'rocdraft[test]' (or pip install transformers)") from None
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise RocdraftError("--plot needs matplotlib: pip install 'rocdraft[plot]'") from None
         _check_plot_path(args.plot)
+    return batch_sizes
+
+
+def _run_bench(args) -> int:
+    import torch
+
+    from rocdraft.cli import make_llm
+    from rocdraft.config import SamplingParams
+    from rocdraft.errors import RocdraftError
+
+    batch_sizes = _check_args(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     spec_llm, method = make_llm(args)
     if method == "none":
         raise RocdraftError("rocdraft bench compares against speculative decoding; "
@@ -82,56 +200,80 @@ def _run_bench(args) -> int:
 
         args_baseline.target = builtin_paths().target
     base_llm, _ = make_llm(args_baseline)
-    prompts = _prompts(args, spec_llm.tokenizer)
-    def params_for(batch_size: int) -> list:  # prompt i has seed i: repeated prompts differ
+    hf = HFPeer(base_llm.config.target, args.dtype, base_llm.device) if args.compare_hf \
+        else None
+    pool = _prompt_pool(args, spec_llm.tokenizer, max([args.num_prompts, *batch_sizes]))
+    greedy = args.temperature == 0.0
+
+    def params_for(first: int, count: int) -> list:  # prompt i has seed i: repeats differ
         return [SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens,
-                               ignore_eos=True, seed=i if args.temperature > 0 else None)
-                for i in range(batch_size)]
+                               ignore_eos=True, seed=i if not greedy else None)
+                for i in range(first, first + count)]
+
+    def run_rocdraft(llm, batches, max_tokens=None) -> tuple[list, list]:
+        outs, stats, first = [], [], 0
+        for batch in batches:
+            params = params_for(first, len(batch)) if max_tokens is None else \
+                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            outs += [o.token_ids for o in llm.generate(batch, params)]
+            stats.append(llm.last_stats)
+            first += len(batch)
+        return outs, stats
+
+    def run_hf(batches, prompt_lookup, max_tokens=None) -> tuple[list, list]:
+        outs = []
+        for batch in batches:
+            outs += hf.generate(batch, max_tokens or args.max_new_tokens, prompt_lookup)
+        return outs, []
+
+    systems = {"target_only": lambda b, m=None: run_rocdraft(base_llm, b, m),
+               "speculative": lambda b, m=None: run_rocdraft(spec_llm, b, m)}
+    if hf is not None:
+        systems["hf_generate"] = lambda b, m=None: run_hf(b, False, m)
+        systems["hf_prompt_lookup"] = lambda b, m=None: run_hf(b, True, m)
+
+    def names_for(batch_size: int) -> list[str]:
+        return [n for n in systems if n != "hf_prompt_lookup" or batch_size == 1]
 
     spec_llm.sync_timing = True  # exact time split on GPUs
-    results, total, done = [], len(batch_sizes) * args.repeat * 2, 0
-    warmup = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    total = sum(len(names_for(b)) for b in batch_sizes) * args.repeat
+    results, done = [], 0
     for batch_size in batch_sizes:
-        batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+        prompts = prompt_set(pool, args.num_prompts, batch_size)
+        batches = batches_of(prompts, batch_size)
+        names = names_for(batch_size)
         _progress(done, total, f"bs {batch_size} warm-up")
-        base_llm.generate(batch, warmup)  # first-use costs (JIT, allocator) are not timed
-        spec_llm.generate(batch, warmup)
-        base_time = spec_time = 0.0
-        base_tokens = spec_tokens = 0
-        stats_sum, matches = None, True
+        for name in names:  # first-use costs (JIT, allocator) are not timed
+            systems[name](batches[:1], 8)
+        tps = {name: [] for name in names}
+        outputs, stats_sum, identical = {}, None, True
         for r in range(args.repeat):
-            order = (("base", base_llm), ("spec", spec_llm))
-            for name, llm in (order if r % 2 == 0 else order[::-1]):
+            for name in rotated(names, r):
                 start = time.perf_counter()
-                outs = llm.generate(batch, params_for(batch_size))
+                outs, stats = systems[name](batches)
                 elapsed = time.perf_counter() - start
-                tokens = sum(len(o.token_ids) for o in outs)
-                if name == "base":
-                    base_time, base_tokens, base_outs = base_time + elapsed, \
-                        base_tokens + tokens, outs
-                else:
-                    spec_time, spec_tokens, spec_outs = spec_time + elapsed, \
-                        spec_tokens + tokens, outs
-                    stats_sum = _merge(stats_sum, llm.last_stats)
+                tps[name].append(sum(len(o) for o in outs) / elapsed)
+                outputs[name] = outs
+                if name == "speculative":
+                    for s in stats:
+                        stats_sum = _merge(stats_sum, s)
                 done += 1
                 _progress(done, total, f"bs {batch_size} {name} run {r + 1}")
-            if args.temperature == 0.0:
-                matches &= [o.token_ids for o in base_outs] == [o.token_ids for o in spec_outs]
-        base_tps, spec_tps = base_tokens / base_time, spec_tokens / spec_time
-        split = {k: round(v / max(sum(stats_sum["time_s"].values()), 1e-9), 4)
-                 for k, v in stats_sum["time_s"].items()}
-        results.append({
-            "batch_size": batch_size, "baseline_tokens_per_s": round(base_tps, 2),
-            "spec_tokens_per_s": round(spec_tps, 2), "speedup": round(spec_tps / base_tps, 3),
-            "acceptance_length": round(stats_sum["acceptance_length"], 3),
-            "per_position_acceptance": [round(a, 3) for a in stats_sum["per_position"]],
-            "time_split": split,
-            **({"greedy_outputs_identical": matches} if args.temperature == 0.0 else {})})
+            if greedy:
+                identical &= outputs["speculative"] == outputs["target_only"]
+        results.append(_row(batch_size, len(prompts), tps, stats_sum, identical if greedy
+                            else None, outputs if greedy and hf is not None else None))
     config = {"target": spec_llm.config.target, "draft": spec_llm.config.draft,
               "method": method, "num_speculative_tokens": args.num_speculative_tokens,
+              "draft_policy": spec_llm.config.speculative.draft_policy,
               "attention_backend": spec_llm.backend.name, "device": spec_llm.device,
               "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "repeat": args.repeat,
+              "num_prompts": args.num_prompts, "threads": torch.get_num_threads(),
+              "compare_hf": hf is not None,
+              "systems": {n: SYSTEM_LABELS[n].format(method=method, k=args.num_speculative_tokens)
+                          for n in systems},
+              "kv_cache": spec_llm.kv_cache_plan.describe(),
               "prompts": args.prompts_file or "held-out standard library modules (r-z)"}
     report = {"config": config, "results": results}
     if args.plot:
@@ -141,6 +283,33 @@ def _run_bench(args) -> int:
     else:
         _print_table(report)
     return 0
+
+
+def _row(batch_size: int, num_prompts: int, tps: dict, stats_sum: dict,
+         identical: bool | None, outputs: dict | None) -> dict:
+    medians = {name: statistics.median(values) for name, values in tps.items()}
+    split = {k: round(v / max(sum(stats_sum["time_s"].values()), 1e-9), 4)
+             for k, v in stats_sum["time_s"].items()}
+    row = {"batch_size": batch_size, "num_prompts": num_prompts,
+           "baseline_tokens_per_s": round(medians["target_only"], 2),
+           "spec_tokens_per_s": round(medians["speculative"], 2),
+           "speedup": round(medians["speculative"] / medians["target_only"], 3),
+           "tokens_per_s": {name: spread(values) for name, values in tps.items()},
+           "acceptance_length": round(stats_sum["acceptance_length"], 3),
+           "per_position_acceptance": [round(a, 3) for a in stats_sum["per_position"]],
+           "time_split": split}
+    if "hf_generate" in medians:
+        row["vs_hf_generate"] = {name: round(m / medians["hf_generate"], 3)
+                                 for name, m in medians.items()}
+    if identical is not None:
+        row["greedy_outputs_identical"] = identical
+    if outputs is not None:
+        row["hf_generate_mismatches"] = sum(
+            a != b for a, b in zip(outputs["target_only"], outputs["hf_generate"]))
+        if "hf_prompt_lookup" in outputs:
+            row["hf_prompt_lookup_mismatches"] = sum(
+                a != b for a, b in zip(outputs["target_only"], outputs["hf_prompt_lookup"]))
+    return row
 
 
 def _merge(acc, stats) -> dict:
@@ -162,16 +331,36 @@ def _merge(acc, stats) -> dict:
 
 def _print_table(report: dict) -> None:
     cfg = report["config"]
+    threads = f"{cfg['threads']} torch thread{'s' if cfg['threads'] != 1 else ''}"
     print(f"rocdraft bench: {cfg['method']} k={cfg['num_speculative_tokens']} on "
-          f"{cfg['device']} ({cfg['attention_backend']}, {cfg['dtype']})")
-    print(f"{'batch':>5} {'baseline tok/s':>15} {'spec tok/s':>11} {'speedup':>8} "
-          f"{'accept len':>10}  per-position acceptance")
+          f"{cfg['device']} ({cfg['attention_backend']}, {cfg['dtype']}), {threads}, "
+          f"{cfg['num_prompts']} prompts x {cfg['max_new_tokens']} new tokens, "
+          f"median [min-max] of {cfg['repeat']} repeats")
+    peer = cfg["compare_hf"]
+    print(f"{'batch':>5}  {'system':<34} {'tok/s median [min-max]':>26} {'vs target-only':>15}"
+          + (f" {'vs HF generate':>15}" if peer else ""))
     for r in report["results"]:
+        base = r["tokens_per_s"]["target_only"]["median"]
+        for name, s in r["tokens_per_s"].items():
+            cell = f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
+            line = (f"{r['batch_size']:>5}  {cfg['systems'][name]:<34} {cell:>26} "
+                    f"{s['median'] / base:>14.2f}x")
+            if peer:
+                line += f" {r['vs_hf_generate'][name]:>14.2f}x"
+            print(line)
         per_pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
-        print(f"{r['batch_size']:>5} {r['baseline_tokens_per_s']:>15.1f} "
-              f"{r['spec_tokens_per_s']:>11.1f} {r['speedup']:>7.2f}x "
-              f"{r['acceptance_length']:>10.2f}  {per_pos}")
-        print("      time split: " + ", ".join(f"{k} {v:.0%}" for k, v in r["time_split"].items()))
+        print(f"       {r['num_prompts']} prompts; acceptance length "
+              f"{r['acceptance_length']:.2f} (per position {per_pos}); time split: "
+              + ", ".join(f"{k} {v:.0%}" for k, v in r["time_split"].items()))
+        checks = []
+        if "greedy_outputs_identical" in r:
+            checks.append("speculative == target-only: "
+                          + ("yes" if r["greedy_outputs_identical"] else "NO"))
+        if "hf_generate_mismatches" in r:
+            checks.append(f"target-only vs HF generate: {r['hf_generate_mismatches']} of "
+                          f"{r['num_prompts']} prompts differ")
+        if checks:
+            print("       greedy outputs: " + "; ".join(checks))
 
 
 def _plot(report: dict, path: str) -> None:

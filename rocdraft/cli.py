@@ -29,6 +29,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft-tokens-per-step", type=int, default=None,
                    help="cap on drafts verified per step over the batch: each request "
                         "verifies min(k, cap // batch size) (default: no cap)")
+    from rocdraft.config import DRAFT_POLICIES
+
+    p.add_argument("--draft-policy", choices=DRAFT_POLICIES, default=None,
+                   help="drafts verified per step: 'cost' picks the count that maximises "
+                        "expected tokens/s from measured costs and acceptance (the default), "
+                        "'fixed' always --num-speculative-tokens")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 on the CPU, bfloat16 on a GPU")
     p.add_argument("--block-size", type=int, default=16,
@@ -38,6 +44,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-attention-backend", default=None)
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture the draft loop in a CUDA/HIP graph")
+    size = p.add_argument_group("KV cache and batch sizing (the LLM arguments of the same name)")
+    size.add_argument("--max-num-seqs", type=int, default=None,
+                      help="requests running at once (default 64)")
+    size.add_argument("--max-model-len", type=int, default=None,
+                      help="longest prompt + output in tokens (default: the model's "
+                           "max_position_embeddings)")
+    size.add_argument("--max-num-batched-tokens", type=int, default=None,
+                      help="tokens per step, prefill chunks included (default 2048)")
+    size.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                      help="memory for the target's and the draft head's KV caches together, "
+                           "e.g. 2GiB, 512MB, 1.5G, 1e9 (default: what --max-num-seqs x "
+                           "--max-model-len needs, at most 256 MiB on the CPU, 0.9 of the "
+                           "free memory on a GPU)")
+    size.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                      help="GPUs only: the fraction (0, 1] of the GPU memory free after the "
+                           "target loads that the KV caches may take")
+    size.add_argument("--num-kv-blocks", type=int, default=None,
+                      help="exact number of KV-cache blocks (instead of a memory budget)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -164,17 +188,31 @@ def make_llm(args):
         raise RocdraftError(f"--method {method} needs --draft DIR (an EAGLE head directory)")
     spec = None
     if method != "none":
+        policy = {"draft_policy": args.draft_policy} if args.draft_policy else {}
         spec = SpeculativeConfig(method=method, num_speculative_tokens=args.num_speculative_tokens,
                                  enforce_eager=args.enforce_eager,
-                                 max_draft_tokens_per_step=args.max_draft_tokens_per_step)
+                                 max_draft_tokens_per_step=args.max_draft_tokens_per_step,
+                                 **policy)
     import torch
 
     on_gpu = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     llm = LLM(target, draft=draft if spec else None, speculative_config=spec, dtype=args.dtype,
               device=args.device, attention_backend=args.attention_backend,
-              draft_attention_backend=args.draft_attention_backend, block_size=args.block_size)
+              draft_attention_backend=args.draft_attention_backend, block_size=args.block_size,
+              **sizing_kwargs(args))
     return llm, method
+
+
+SIZING_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_memory",
+                "gpu_memory_utilization", "num_kv_blocks")
+
+
+def sizing_kwargs(args) -> dict:
+    """The sizing flags that were given, as LLM keyword arguments (the others keep LLM's
+    defaults): --max-num-seqs 8 -> {"max_num_seqs": 8}."""
+    return {name: getattr(args, name) for name in SIZING_FLAGS
+            if getattr(args, name, None) is not None}
 
 
 def _head_method(draft: str) -> str:

@@ -30,33 +30,118 @@ def bench(capsys, pair, *extra):
 
 
 def test_bench_json_report(capsys, pair):
-    rc, out, err = bench(capsys, pair, "--batch-size", "1", "--batch-size", "3", "--json")
+    rc, out, err = bench(capsys, pair, "--batch-size", "1", "--batch-size", "3", "--repeat", "2",
+                         "--num-prompts", "4", "--threads", "1", "--json")
     assert rc == 0, err
     report = json.loads(out)
-    assert report["config"]["method"] == "eagle3"
+    config = report["config"]
+    assert config["method"] == "eagle3" and config["num_prompts"] == 4
+    assert config["threads"] == 1 and config["repeat"] == 2 and config["compare_hf"] is False
+    assert set(config["systems"]) == {"target_only", "speculative"}
+    assert "blocks" in config["kv_cache"]
     assert [r["batch_size"] for r in report["results"]] == [1, 3]
     for r in report["results"]:
+        # Every batch size runs the same 4 prompts (bs 3: a batch of 3, then one of 1).
+        assert r["num_prompts"] == 4
         assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["baseline_tokens_per_s"],
                                              rel=1e-2)
-        assert 1.0 <= r["acceptance_length"] <= 3.0
+        for name, key in (("target_only", "baseline_tokens_per_s"),
+                          ("speculative", "spec_tokens_per_s")):
+            s = r["tokens_per_s"][name]
+            assert s["min"] <= s["median"] <= s["max"] and s["median"] == r[key]
+        # The cost policy may verify no drafts with a random head (no verification: 0.0).
+        assert r["acceptance_length"] == 0.0 or 1.0 <= r["acceptance_length"] <= 3.0
         assert len(r["per_position_acceptance"]) == 2
         assert set(r["time_split"]) == {"target_verify", "draft", "sampler", "bookkeeping"}
         assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=0.01)
         assert r["greedy_outputs_identical"] is True
+        assert "vs_hf_generate" not in r
     assert "[" in err  # the progress bar goes to stderr
+    assert err.count("warm-up") == 2 and "target_only run 2" in err
+
+
+def test_bench_compare_hf_same_tokens_as_transformers(capsys, pair):
+    rc, out, err = bench(capsys, pair, "--batch-size", "1", "--batch-size", "2",
+                         "--num-prompts", "2", "--compare-hf", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["config"]["compare_hf"] is True
+    bs1, bs2 = report["results"]
+    assert set(bs1["tokens_per_s"]) == {"target_only", "speculative", "hf_generate",
+                                        "hf_prompt_lookup"}
+    assert set(bs2["tokens_per_s"]) == {"target_only", "speculative", "hf_generate"}
+    for r in (bs1, bs2):
+        assert r["vs_hf_generate"]["hf_generate"] == 1.0
+        assert r["vs_hf_generate"]["target_only"] == pytest.approx(
+            r["tokens_per_s"]["target_only"]["median"] / r["tokens_per_s"]["hf_generate"]
+            ["median"], rel=1e-2)
+        assert r["hf_generate_mismatches"] == 0  # greedy rocdraft == transformers generate
+    assert bs1["hf_prompt_lookup_mismatches"] == 0
+    rc, out, err = bench(capsys, pair, "--batch-size", "1", "--num-prompts", "1",
+                         "--compare-hf")
+    assert rc == 0, err
+    assert "transformers generate" in out and "transformers prompt lookup" in out
+    assert "0 of 1 prompts differ" in out and "vs HF generate" in out
+
+
+def test_bench_peer_decodes_exactly_max_new_tokens(pair):
+    """EOS does not stop the peer (rocdraft's bench ignores EOS too), and left padding keeps
+    each row's tokens: a batch of two equals each prompt alone."""
+    from rocdraft.bench_cli import HFPeer
+
+    peer = HFPeer(pair["target"], "float32", "cpu")
+    prompts = [[1, 5, 6, 7], [1, 30, 31]]
+    together = peer.generate(prompts, 20)
+    assert [len(t) for t in together] == [20, 20]
+    assert together == [peer.generate([p], 20)[0] for p in prompts]
+    assert peer.generate(prompts[:1], 20, prompt_lookup=True) == together[:1]
+
+
+def test_compare_hf_without_transformers_is_one_line(capsys, pair, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name.startswith("transformers"):
+            raise ImportError("No module named 'transformers'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    rc, out, err = bench(capsys, pair, "--compare-hf")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--compare-hf needs transformers" in err and "rocdraft[test]" in err
+
+
+def test_prompt_sets_batches_and_rotation():
+    from rocdraft.bench_cli import batches_of, prompt_set, rotated, spread
+
+    pool = ["a", "b", "c"]
+    assert prompt_set(pool, 4, 2) == ["a", "b", "c", "a"]
+    assert prompt_set(pool, 4, 5) == ["a", "b", "c", "a", "b"]  # bs > N: that row has bs
+    assert batches_of(list("abcdefgh"), 3) == [list("abc"), list("def"), list("gh")]
+    assert batches_of(list("ab"), 8) == [list("ab")]
+    assert [rotated(["x", "y", "z"], r) for r in range(4)] == [
+        ["x", "y", "z"], ["y", "z", "x"], ["z", "x", "y"], ["x", "y", "z"]]
+    assert spread([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0}
 
 
 def test_bench_table_and_plot(capsys, pair, tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
     plot = tmp_path / "bench.png"
-    rc, out, err = bench(capsys, pair, "--batch-size", "2", "--plot", str(plot))
+    rc, out, err = bench(capsys, pair, "--batch-size", "2", "--num-prompts", "3", "--plot",
+                         str(plot))
     assert rc == 0, err
-    assert "speedup" in out and plot.stat().st_size > 1000
+    assert "vs target-only" in out and "median [min-max] of 1 repeats" in out
+    assert "3 prompts" in out and plot.stat().st_size > 1000
 
 
 @pytest.mark.parametrize("args, fragment", [
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--repeat", "0"], "--repeat must be >= 1"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--compare-hf", "--temperature", "0.5"], "--compare-hf compares greedy decoding"),
 ])
 def test_bench_bad_values(capsys, pair, args, fragment):
     rc, out, err = bench(capsys, pair, *args)

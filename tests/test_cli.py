@@ -194,8 +194,12 @@ def test_speculative_methods_are_lossless(capsys, ckpt, method):
     args = ("--target", target, "--prompt-ids", PROMPT_A, "--prompt-ids", PROMPT_B,
             "--max-new-tokens", 10, "--attention-backend", "TORCH_SDPA")
     plain = generate_json(capsys, *args, "--method", "none")
-    spec = generate_json(capsys, *args, "--method", method, "--draft", draft,
-                         "--num-speculative-tokens", 3)
+    for policy in ("cost", "fixed"):  # whatever the draft count, the tokens are the same
+        chosen = generate_json(capsys, *args, "--method", method, "--draft", draft,
+                               "--num-speculative-tokens", 3, "--draft-policy", policy)
+        assert [o["token_ids"] for o in chosen["outputs"]] == \
+            [o["token_ids"] for o in plain["outputs"]]
+    spec = chosen  # "fixed": every step verifies all 3 drafts, so the counts below hold
     assert [o["token_ids"] for o in spec["outputs"]] == [o["token_ids"] for o in plain["outputs"]]
     assert [o["finish_reason"] for o in spec["outputs"]] == \
         [o["finish_reason"] for o in plain["outputs"]]
@@ -470,6 +474,76 @@ def test_corrupt_safetensors_is_a_user_error(capsys, ckpt, tmp_path):
                                PROMPT_A), "model.safetensors")
 
 
+# --- KV cache and batch sizing flags --------------------------------------------------------
+
+class _RecordedLLM(Exception):
+    """Raised by a stand-in LLM: carries the keyword arguments the CLI built."""
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ((), {}),  # nothing given: LLM's own defaults
+    (("--max-num-seqs", 3, "--max-model-len", 32, "--max-num-batched-tokens", 64,
+      "--num-kv-blocks", 50), dict(max_num_seqs=3, max_model_len=32,
+                                   max_num_batched_tokens=64, num_kv_blocks=50)),
+    (("--kv-cache-memory", "2GiB"), dict(kv_cache_memory="2GiB")),
+    (("--gpu-memory-utilization", "0.5"), dict(gpu_memory_utilization=0.5)),
+])
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_sizing_flags_map_to_llm_arguments(capsys, ckpt, monkeypatch, flags, expected,
+                                           command):
+    import rocdraft.engine
+
+    def recording_llm(*args, **kwargs):
+        raise _RecordedLLM(kwargs)
+
+    monkeypatch.setattr(rocdraft.engine, "LLM", recording_llm)
+    prompt = ("--prompt-ids", PROMPT_A) if command == "generate" else ()
+    spec = ("--method", "eagle3", "--draft", ckpt["eagle3"]) if command == "bench" else ()
+    with pytest.raises(_RecordedLLM) as info:
+        run_cli(capsys, command, "--target", ckpt["deep"], *spec, *prompt, *flags)
+    kwargs = info.value.args[0]
+    sizing = {k: kwargs[k] for k in ("max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                                     "num_kv_blocks", "kv_cache_memory",
+                                     "gpu_memory_utilization") if k in kwargs}
+    assert sizing == expected
+
+
+def test_kv_cache_memory_flag_sizes_the_cache(capsys, ckpt, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="rocdraft.engine"):
+        result = generate_json(capsys, "--target", ckpt["target"], "--prompt-ids", PROMPT_A,
+                               "--max-new-tokens", 4, "--max-model-len", 64,
+                               "--kv-cache-memory", "1MiB")
+    assert len(result["outputs"][0]["token_ids"]) >= 1
+    # 3 layers x 2 KV heads x 16 x float32 x K and V x 16 tokens = 12288 bytes a block
+    logged = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
+    assert logged and "85 blocks x 16 tokens = 1360 tokens" in logged[-1]
+    assert "sized by kv_cache_memory" in logged[-1]
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (("--kv-cache-memory", "1KiB"), ("1024 bytes", "cannot hold one request",
+                                     "max_model_len 256", "196608 bytes")),
+    (("--kv-cache-memory", "lots"), ("kv_cache_memory", "'lots'", "2GiB")),
+    (("--kv-cache-memory=-2GiB",), ("kv_cache_memory must be > 0",)),
+    (("--kv-cache-memory", "0"), ("kv_cache_memory must be > 0 bytes",)),
+    (("--num-kv-blocks", "2"), ("num_kv_blocks 2", "cannot hold one request")),
+    (("--num-kv-blocks", "20", "--kv-cache-memory", "1GiB"), ("were given together",)),
+    (("--max-num-seqs", "0"), ("max_num_seqs must be >= 1, got 0",)),
+])
+def test_bad_sizing_flags(capsys, ckpt, flags, fragments):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, *flags), *fragments)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="CPU-only expectation")
+def test_gpu_memory_utilization_on_the_cpu_names_the_flag(capsys, ckpt):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["target"], "--prompt-ids",
+                               PROMPT_A, "--gpu-memory-utilization", "0.9"),
+                      "--gpu-memory-utilization", "needs a GPU", "--kv-cache-memory")
+
+
 # --- backends ------------------------------------------------------------------------------
 
 def test_backends_text(capsys, monkeypatch):
@@ -494,9 +568,9 @@ def test_backends_json(capsys, monkeypatch):
             assert row["unavailable_reason"]
     assert report["selected"]["name"] in registry.registered_names()
     assert report["selected"]["reason"]
-    if ON_CPU:
-        assert report["selected"]["name"] == "TORCH_SDPA"
-        assert "priority" in report["selected"]["reason"]
+    if ON_CPU:  # the first available backend of the CPU's priority list
+        selected = next(b for b in report["backends"] if b["name"] == report["selected"]["name"])
+        assert selected["available"] and "priority" in report["selected"]["reason"]
 
 
 def test_backends_json_with_env(capsys, monkeypatch):
