@@ -36,7 +36,8 @@ def main() -> int:
     rows = []
     for method, head in (("eagle3", pair.eagle3), ("eagle", pair.eagle1)):
         for k in args.k:
-            llm = LLM(pair.target, draft=head, speculative_config=SpeculativeConfig(method, k))
+            llm = LLM(pair.target, draft=head,
+                      speculative_config=SpeculativeConfig(method, k, draft_policy="fixed"))
             outs = [o.token_ids for o in llm.generate(prompts, params)]
             stats = llm.last_stats
             rows.append({"method": method, "k": k, "identical": outs == reference,

@@ -70,6 +70,9 @@ def _start_batch(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[Schedul
 
 
 def profile_run(llm: LLM, label: str, prompts: list[str], args) -> None:
+    """Profile ``args.steps`` steady-state steps of ``prompts`` as one batch; print the report.
+    The speculative LLM verifies a fixed k per step (draft_policy "fixed"), so the profiled
+    step is the k-draft step whatever the cost policy would choose."""
     budget = (args.warmup + args.steps + 2) * (args.num_speculative_tokens + 1)
     scheduler, _ = _start_batch(llm, prompts, budget)
     stats = GenerationStats(num_speculative_tokens=llm.config.speculative.num_speculative_tokens
@@ -92,11 +95,11 @@ def profile_run(llm: LLM, label: str, prompts: list[str], args) -> None:
     syncs = sum(e.count for e in events
                 if e.key in ("aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize",
                              "hipStreamSynchronize", "cudaDeviceSynchronize"))
-    total_ms = sum(stats.time_s.values()) * 1e3 / steps
+    total_s = max(sum(stats.time_s.values()), 1e-12)
     print(f"\n=== {label}: batch size {len(prompts)}, {steps} steps, "
           f"{torch.get_num_threads()} torch thread(s) ===")
-    print(f"per step: {total_ms:.2f} ms; " + ", ".join(
-        f"{p} {stats.time_s[p] * 1e3 / steps:.2f} ms ({100 * stats.time_s[p] / max(sum(stats.time_s.values()), 1e-12):.0f}%)"
+    print(f"per step: {total_s * 1e3 / steps:.2f} ms; " + ", ".join(
+        f"{p} {stats.time_s[p] * 1e3 / steps:.2f} ms ({100 * stats.time_s[p] / total_s:.0f}%)"
         for p in PHASES))
     print(f"aten ops per step: {dispatched / steps:.0f} dispatched from Python, "
           f"{aten_calls / steps:.0f} including nested; "
@@ -119,7 +122,8 @@ def main() -> int:
     common = dict(dtype=args.dtype, device=args.device, max_num_seqs=max(batch_sizes))
     base = LLM(args.target, **common)
     spec = LLM(args.target, draft=args.draft, **common,
-               speculative_config=SpeculativeConfig(args.method, args.num_speculative_tokens))
+               speculative_config=SpeculativeConfig(args.method, args.num_speculative_tokens,
+                                                    draft_policy="fixed"))
     prompts = heldout_prompts(n=max(batch_sizes), prompt_tokens=96, seed=0,
                               tokenizer=base.tokenizer)
     for batch_size in batch_sizes:

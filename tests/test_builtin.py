@@ -50,7 +50,8 @@ def test_acceptance_bar_on_heldout_code(target_only, prompts, method):
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     reference = [o.token_ids for o in target_only.generate(prompts, params)]
     head = PAIR.eagle3 if method == "eagle3" else PAIR.eagle1
-    llm = LLM(PAIR.target, draft=head, speculative_config=SpeculativeConfig(method, 4))
+    llm = LLM(PAIR.target, draft=head, speculative_config=SpeculativeConfig(method, 4,
+                                                                            draft_policy="fixed"))
     assert [o.token_ids for o in llm.generate(prompts, params)] == reference
     assert llm.last_stats.acceptance_length >= BARS[method]
 

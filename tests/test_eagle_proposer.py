@@ -99,7 +99,8 @@ def _run_until_drafting(llm: LLM, accept: list[int] | None = None):
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_padded_path_has_zero_host_syncs(pair, method):
     llm = LLM(pair["target"], draft=pair[method],
-              speculative_config=SpeculativeConfig(method, num_speculative_tokens=4))
+              speculative_config=SpeculativeConfig(method, num_speculative_tokens=4,
+                                                   draft_policy="fixed"))
     batch, sampled, hidden = _run_until_drafting(llm)
     assert batch.max_drafts > 0
     # The discard mask is built on the host before the step (it is scheduler knowledge).
@@ -123,7 +124,8 @@ def test_padded_and_unpadded_paths_propose_the_same_drafts_under_rejections(pair
     in the batch, their KV written; the draft steps must attend over seq_lens - num_rejected
     only) proposes exactly the unpadded path's drafts (rejected tokens dropped on the host)."""
     llm = LLM(pair["target"], draft=pair[method],
-              speculative_config=SpeculativeConfig(method, num_speculative_tokens=4))
+              speculative_config=SpeculativeConfig(method, num_speculative_tokens=4,
+                                                   draft_policy="fixed"))
     accept = [0, 2, 4]
     batch, sampled, hidden = _run_until_drafting(llm, accept)
     assert batch.num_draft_tokens_cpu == [4, 4, 4]
@@ -163,7 +165,8 @@ def test_padded_and_unpadded_paths_propose_the_same_drafts_under_rejections(pair
 
 def test_k1_returns_one_draft_per_request(pair):
     llm = LLM(pair["target"], draft=pair["eagle"],
-              speculative_config=SpeculativeConfig("eagle", num_speculative_tokens=1))
+              speculative_config=SpeculativeConfig("eagle", num_speculative_tokens=1,
+                                                   draft_policy="fixed"))
     batch, sampled, hidden = _run_until_drafting(llm)
     drafts = llm._propose(batch, sampled, hidden)
     assert drafts.shape == (batch.common.num_reqs, 1)
@@ -189,7 +192,7 @@ def test_multi_token_drafting_needs_a_capable_backend(pair, monkeypatch):
     assert "SINGLE_TOKEN_TEST" in str(err.value) and "TORCH_SDPA" in str(err.value)
     with pytest.raises(UnsupportedFeatureError, match="multi_token_drafting"):
         LLM(pair["target"], draft=pair["eagle"], draft_attention_backend="SINGLE_TOKEN_TEST",
-            speculative_config=SpeculativeConfig("eagle", 2))
+            speculative_config=SpeculativeConfig("eagle", 2, draft_policy="fixed"))
     # One token per step is fine for such a backend.
     EagleProposer(torch.nn.Identity(), backend, 1, 64, 4, 128, 16, 160, "cpu")
 
@@ -207,7 +210,8 @@ def test_drafting_past_max_model_len_never_writes_outside_the_request(pair):
     """A request whose drafts run past max_model_len: its clamped draft positions get slot -1,
     so no block it does not own, and none of the other request's cached context, changes."""
     llm = LLM(pair["target"], draft=pair["eagle3"], block_size=4, max_model_len=16,
-              max_num_seqs=2, speculative_config=SpeculativeConfig("eagle3", 6))
+              max_num_seqs=2, speculative_config=SpeculativeConfig("eagle3", 6,
+                                                                   draft_policy="fixed"))
     scheduler = Scheduler(llm.scheduler_config)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     near_end, short = llm._make_request(0, list(range(1, 14)), params), \
@@ -344,7 +348,8 @@ def test_chain_drafts_equal_a_dense_recomputation(pair, method):
     plus the drafts so far, fed the head's own outputs as features, on a fresh cache."""
     k = 4
     llm = LLM(pair["target"], draft=pair[method],
-              speculative_config=SpeculativeConfig(method, num_speculative_tokens=k))
+              speculative_config=SpeculativeConfig(method, num_speculative_tokens=k,
+                                                   draft_policy="fixed"))
     head, proposer = llm.head, llm.proposer
     block_size = proposer.block_size
     width = -(-proposer.max_model_len // block_size)

@@ -55,7 +55,7 @@ def test_lossless_on_device(pair, backend, method):
     kwargs = dict(device="cuda", dtype=dtype, attention_backend=backend, block_size=block_size)
     reference = [o.token_ids for o in LLM(pair["target"], **kwargs).generate(PROMPTS, GREEDY)]
     spec = LLM(pair["target"], draft=pair[method],
-               speculative_config=SpeculativeConfig(method, 4), **kwargs)
+               speculative_config=SpeculativeConfig(method, 4, draft_policy="fixed"), **kwargs)
     got = [o.token_ids for o in spec.generate(PROMPTS, GREEDY)]
     if exact:
         assert got == reference
@@ -70,7 +70,8 @@ def test_graph_replay_equals_eager(pair):
 
     llm = LLM(pair["target"], draft=pair["eagle3"], device="cuda", max_num_seqs=8,
               attention_backend="TRITON_ATTN" if not _runnable("TRITON_ATTN") else "TORCH_SDPA",
-              speculative_config=SpeculativeConfig("eagle3", 4, enforce_eager=True))
+              speculative_config=SpeculativeConfig("eagle3", 4, enforce_eager=True,
+                                                   draft_policy="fixed"))
     runner = DraftLoopRunner(llm.proposer, llm.draft_kv_caches, llm.head.config.hidden_size,
                              llm.scheduler_config.max_blocks_per_seq, capture_buckets(8),
                              use_graphs=True)
@@ -93,11 +94,13 @@ def test_engine_captures_the_draft_loop_on_gpu(pair):
     from rocdraft.engine import LLM
 
     llm = LLM(pair["target"], draft=pair["eagle3"], device="cuda", max_num_seqs=4,
-              attention_backend="TORCH_SDPA", speculative_config=SpeculativeConfig("eagle3", 3))
+              attention_backend="TORCH_SDPA",
+              speculative_config=SpeculativeConfig("eagle3", 3, draft_policy="fixed"))
     assert llm.draft_graph_refusal is None and llm.proposer.graph_runner is not None
     eager = LLM(pair["target"], draft=pair["eagle3"], device="cuda", max_num_seqs=4,
                 attention_backend="TORCH_SDPA",
-                speculative_config=SpeculativeConfig("eagle3", 3, enforce_eager=True))
+                speculative_config=SpeculativeConfig("eagle3", 3, enforce_eager=True,
+                                                     draft_policy="fixed"))
     assert eager.proposer.graph_runner is None
     assert [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY)] == \
         [o.token_ids for o in eager.generate(PROMPTS[:4], GREEDY)]

@@ -24,7 +24,7 @@ def llm(tmp_path_factory):
     target = write_tiny_llama(root / "target", kind="deep")
     head = write_eagle3_head(root / "eagle3", target)
     return LLM(str(target), draft=str(head), max_num_seqs=8, block_size=4, max_model_len=64,
-               speculative_config=SpeculativeConfig("eagle3", 4))
+               speculative_config=SpeculativeConfig("eagle3", 4, draft_policy="fixed"))
 
 
 def _inputs(llm, batch_size: int, seed: int, near_the_end: bool = True):

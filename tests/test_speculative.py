@@ -68,7 +68,7 @@ def test_greedy_speculative_equals_target_only(pair, reference, method, k, padde
                                                attention_backend):
     llm = LLM(pair["target"], draft=pair[method], attention_backend=attention_backend,
               speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=k,
-                                                   padded_drafting=padded),
+                                                   padded_drafting=padded, draft_policy="fixed"),
               max_num_batched_tokens=16)  # forces a chunked prefill next to decodes
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
@@ -84,7 +84,8 @@ def test_seeded_random_speculative_output_equals_seeded_target_only(
     seeded request samples exactly the tokens target-only sampling draws, however many drafts
     each step verified, accepted or rejected."""
     llm = LLM(pair["target"], draft=pair[method], attention_backend=attention_backend,
-              speculative_config=SpeculativeConfig(method, k, padded_drafting=padded),
+              speculative_config=SpeculativeConfig(method, k, padded_drafting=padded,
+                                                   draft_policy="fixed"),
               max_num_batched_tokens=16)
     assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == seeded_reference
     assert_some_accepted_some_rejected(llm.last_stats, k)
@@ -95,7 +96,7 @@ def test_seeded_random_output_does_not_depend_on_the_batch_or_the_budget(pair,
     """Alone or in a batch, with a budget that trims drafts, the same tokens."""
     for budget in (2048, 12):
         llm = LLM(pair["target"], draft=pair["eagle3"], max_num_batched_tokens=budget,
-                  speculative_config=SpeculativeConfig("eagle3", 4))
+                  speculative_config=SpeculativeConfig("eagle3", 4, draft_policy="fixed"))
         assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == seeded_reference
         assert llm.last_stats.acceptance_length > 1.5
         assert [o.token_ids for o in llm.generate(PROMPTS[:1], SEEDED[:1])] == \
@@ -111,7 +112,7 @@ def test_random_heads_are_all_rejected_and_stay_lossless(pair, method, attention
     expected = [o.token_ids for o in target_only.generate(PROMPTS[2:], params)]
     llm = LLM(pair["random_target"], draft=pair[f"random_{method}"],
               attention_backend=attention_backend, max_num_batched_tokens=16,
-              speculative_config=SpeculativeConfig(method, 4))
+              speculative_config=SpeculativeConfig(method, 4, draft_policy="fixed"))
     assert [o.token_ids for o in llm.generate(PROMPTS[2:], params)] == expected
     stats = llm.last_stats
     assert stats.num_verify_steps > 0
@@ -128,7 +129,8 @@ def test_unpadded_drafting_gives_the_same_drafts_as_padded(pair, method):
     for padded in (True, False):
         llm = LLM(pair["target"], draft=pair[method], max_num_batched_tokens=16,
                   speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=3,
-                                                       padded_drafting=padded))
+                                                       padded_drafting=padded,
+        draft_policy="fixed"))
         outs = llm.generate(PROMPTS, GREEDY)
         s = llm.last_stats
         runs.append(([o.token_ids for o in outs], s.accepted_at_position, s.num_verify_steps))
@@ -138,7 +140,8 @@ def test_unpadded_drafting_gives_the_same_drafts_as_padded(pair, method):
 
 def test_speculative_under_kv_pressure_with_preemption(pair, reference):
     llm = LLM(pair["target"], draft=pair["eagle3"], block_size=4, num_kv_blocks=20,
-              max_model_len=64, speculative_config=SpeculativeConfig("eagle3", 4))
+              max_model_len=64, speculative_config=SpeculativeConfig("eagle3", 4,
+                                                                     draft_policy="fixed"))
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.last_stats.num_preemptions > 0
     assert llm.last_stats.acceptance_length > 1.5
@@ -148,7 +151,7 @@ def test_speculative_under_kv_pressure_with_preemption(pair, reference):
 def test_drafting_near_max_model_len_stays_lossless(pair):
     target_only = LLM(pair["target"], max_model_len=20)
     spec = LLM(pair["target"], draft=pair["eagle"], max_model_len=20,
-               speculative_config=SpeculativeConfig("eagle", 4))
+               speculative_config=SpeculativeConfig("eagle", 4, draft_policy="fixed"))
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     expected = [o.token_ids for o in target_only.generate(PROMPTS[:2] + PROMPTS[3:], params)]
     got = [o.token_ids for o in spec.generate(PROMPTS[:2] + PROMPTS[3:], params)]
@@ -162,7 +165,7 @@ def test_eos_inside_an_accepted_chain_stops_the_request(pair, reference):
     stop = reference[0][5]
     params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop,))
     llm = LLM(pair["target"], draft=pair["eagle3"], speculative_config=SpeculativeConfig(
-        "eagle3", 4))
+        "eagle3", 4, draft_policy="fixed"))
     out = llm.generate(PROMPTS[:1], params)[0]
     assert llm.last_stats.num_accepted_drafts > 0
     assert out.finish_reason == "stop"
@@ -195,7 +198,8 @@ def test_random_sampling_is_lossless(tmp_path):
     p1, p2 = _first_two_token_distribution(str(target), prompt)
     n = 4000
     llm = LLM(str(target), draft=str(head), max_num_seqs=1024, max_num_batched_tokens=4096,
-              speculative_config=SpeculativeConfig("eagle", 2), attention_backend="TORCH_SDPA")
+              speculative_config=SpeculativeConfig("eagle", 2, draft_policy="fixed"),
+              attention_backend="TORCH_SDPA")
     params = [SamplingParams(temperature=1.0, max_tokens=2, seed=i, ignore_eos=True)
               for i in range(n)]
     outs = llm.generate([prompt] * n, params)
@@ -208,17 +212,18 @@ def test_random_sampling_is_lossless(tmp_path):
 
 def test_speculative_configuration_errors(pair):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        SpeculativeConfig("eagle3", 0)
+        SpeculativeConfig("eagle3", 0, draft_policy="fixed")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        SpeculativeConfig("eagle3", 17)
+        SpeculativeConfig("eagle3", 17, draft_policy="fixed")
     with pytest.raises(ValueError, match="needs a draft"):
-        LLM(pair["target"], speculative_config=SpeculativeConfig("eagle3", 2))
+        LLM(pair["target"], speculative_config=SpeculativeConfig("eagle3", 2, draft_policy="fixed"))
     with pytest.raises(RocdraftError, match="EAGLE3 head"):
-        LLM(pair["target"], draft=pair["eagle3"], speculative_config=SpeculativeConfig("eagle", 2))
+        LLM(pair["target"], draft=pair["eagle3"],
+            speculative_config=SpeculativeConfig("eagle", 2, draft_policy="fixed"))
 
 
 def test_draft_token_cap_shrinks_drafts_with_the_batch_and_stays_lossless(pair, reference):
-    spec = SpeculativeConfig("eagle3", 4, max_draft_tokens_per_step=8)
+    spec = SpeculativeConfig("eagle3", 4, max_draft_tokens_per_step=8, draft_policy="fixed")
     llm = LLM(pair["target"], draft=pair["eagle3"], speculative_config=spec)
     assert [llm.drafts_per_request(b) for b in (1, 2, 3, 4, 8, 9)] == [4, 4, 2, 2, 1, 0]
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
@@ -228,4 +233,4 @@ def test_draft_token_cap_shrinks_drafts_with_the_batch_and_stays_lossless(pair, 
     assert llm.last_stats.proposed_at_position[2:] == [0, 0]
     assert llm.last_stats.accepted_at_position[1] > 0
     with pytest.raises(ValueError, match="max_draft_tokens_per_step"):
-        SpeculativeConfig("eagle3", 4, max_draft_tokens_per_step=0)
+        SpeculativeConfig("eagle3", 4, max_draft_tokens_per_step=0, draft_policy="fixed")
