@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 
-PROMPT_LOOKUP_TOKENS = 4
+from rocdraft.bench_peers import PROMPT_LOOKUP_TOKENS, HFPeer
+
 SYSTEM_LABELS = {"target_only": "rocdraft target-only", "speculative": "rocdraft {method} k={k}",
                  "hf_generate": "transformers generate",
                  "hf_prompt_lookup": f"transformers prompt lookup ({PROMPT_LOOKUP_TOKENS})"}
@@ -103,37 +104,6 @@ def rotated(names: list, repeat_index: int) -> list:
 def spread(values: list[float]) -> dict:
     return {"min": round(min(values), 2), "median": round(statistics.median(values), 2),
             "max": round(max(values), 2)}
-
-
-class HFPeer:
-    """transformers on the same target: greedy ``generate`` and prompt lookup."""
-
-    def __init__(self, target: str, dtype: str, device: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(
-            target, dtype=getattr(torch, dtype)).to(device).eval()
-        self.device = device
-        pad = self.model.generation_config.pad_token_id
-        self.pad_token_id = pad if isinstance(pad, int) else 0
-
-    def generate(self, batch: list[list[int]], max_new_tokens: int,
-                 prompt_lookup: bool = False) -> list[list[int]]:
-        """batch: prompt token ids (left-padded here) -> the new token ids of each."""
-        torch = self.torch
-        width = max(len(ids) for ids in batch)
-        input_ids = torch.tensor([[self.pad_token_id] * (width - len(ids)) + ids
-                                  for ids in batch], device=self.device)  # [batch, width]
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch],
-                            device=self.device)
-        extra = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS} if prompt_lookup else {}
-        with torch.inference_mode():
-            out = self.model.generate(input_ids, attention_mask=mask, do_sample=False,
-                                      max_new_tokens=max_new_tokens, eos_token_id=None,
-                                      pad_token_id=self.pad_token_id, **extra)
-        return [row[width:].tolist() for row in out]
 
 
 def run_bench(args) -> int:

@@ -14,8 +14,7 @@ import torch
 from rocdraft import envs
 from rocdraft.backends import registry
 from rocdraft.backends.base import Feature
-from rocdraft.backends.kv_cache import PADDING_SLOT_ID, allocate_kv_cache
-from rocdraft.backends.metadata import CommonAttentionMetadata
+from rocdraft.backends.kv_cache import allocate_kv_cache
 from rocdraft.config import (EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig,
                              check_int)
 from rocdraft.draft_policy import (EXPLORE_EVERY, AcceptanceTracker, StepCosts, batch_bucket,
@@ -33,6 +32,7 @@ from rocdraft.request import Request
 from rocdraft.sampler import SamplingTensorCache
 from rocdraft.scheduler import Scheduler, ScheduledRequest
 from rocdraft.step_batch import StepBatch, build_step_batch
+from rocdraft.step_costs import EngineParts, measure_step_costs
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -351,77 +351,15 @@ class LLM:
             return
         start = time.perf_counter()
         for bucket in missing:
-            self.step_costs[bucket] = self._measure_step_costs(bucket)
+            self.step_costs[bucket] = measure_step_costs(self._engine_parts(), bucket)
         log.info("draft policy: measured step costs of batch buckets %s in %.2f s", missing,
                  time.perf_counter() - start)
 
-    def _sync(self) -> None:
-        if self.device != "cpu":
-            torch.cuda.synchronize()
-
-    @torch.no_grad()
-    def _measure_step_costs(self, batch_size: int, repeats: int = 3) -> StepCosts:
-        """Time the target forward (with logits) and the head's first forward over 1 and
-        k + 1 tokens per request, and the k - 1 draft steps, on dummy inputs (token 0 after
-        a typical context); -> StepCosts fitted as in draft_policy.StepCosts.from_timings.
-        The five runs are interleaved and each keeps its minimum over ``repeats`` rounds
-        (after a warm-up round), so a burst of machine noise hits them alike."""
-        k = self.config.speculative.num_speculative_tokens
-        cfg = self.scheduler_config
-        # Within the engine's limits (a bucket may round above max_num_seqs).
-        batch_size = min(batch_size, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        # A typical context (attention over it is part of the verification cost; longer
-        # contexts make verifying dearer than measured here).
-        context = max(min(256, self.max_model_len - 2 * k - 2), 0)
-        top = max(min(k + 1, cfg.max_num_batched_tokens // batch_size,
-                      self.max_model_len - context), 1)  # tokens per request, verify-like
-        # Each request reads its own blocks (as real ones do), wrapping around the cache.
-        per_request = -(-(context + 2 * k + 2) // cfg.block_size)
-        block_table = ((torch.arange(cfg.max_blocks_per_seq).unsqueeze(0)
-                        + per_request * torch.arange(batch_size).unsqueeze(1))
-                       % cfg.num_blocks).to(torch.int32)
-        runs = {}
-        for q in sorted({1, top}):
-            num_tokens = batch_size * q
-            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            positions = (context + torch.arange(q)).repeat(batch_size).to(self.device)
-            slots = torch.full((num_tokens,), PADDING_SLOT_ID, dtype=torch.long)
-            common = CommonAttentionMetadata.from_cpu(
-                list(range(0, num_tokens + 1, q)), [context + q] * batch_size, block_table,
-                slots, self.device)
-            last = (common.query_start_loc[1:] - 1).long()
-            zeros = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-            hidden = {}
-
-            def target(ids=ids, positions=positions, common=common, hidden=hidden):
-                out = self.target(ids, positions, self.kv_caches, self.builder.build(common),
-                                  aux_layer_ids=self.aux_layer_ids)
-                self.target.compute_logits(out.hidden_states)
-                hidden["h"] = out.aux_hidden_states if self.aux_layer_ids \
-                    else out.hidden_states
-
-            def head(n, ids=ids, positions=positions, common=common, hidden=hidden,
-                     last=last, zeros=zeros):
-                self.proposer.propose(ids, positions, hidden["h"], zeros, last, common,
-                                      self.draft_kv_caches, num_rejected=zeros, num_drafts=n)
-
-            runs["target", q] = target
-            runs["head", q, 1] = lambda head=head: head(1)
-            if q == 1 and k > 1:
-                runs["head", 1, k] = lambda head=head: head(k)
-        best = dict.fromkeys(runs, float("inf"))
-        for round_index in range(repeats + 1):
-            for key, fn in runs.items():  # target first: the heads read its hidden states
-                self._sync()
-                start = time.perf_counter()
-                fn()
-                self._sync()
-                if round_index:
-                    best[key] = min(best[key], time.perf_counter() - start)
-        draft_k = best["head", 1, k] - best["head", 1, 1] if k > 1 else 0.0
-        return StepCosts.from_timings(batch_size, k, best["target", 1], best["target", top],
-                                      best["head", 1, 1], best["head", top, 1], draft_k,
-                                      tokens_per_request=top)
+    def _engine_parts(self) -> EngineParts:
+        return EngineParts(self.target, self.builder, self.kv_caches, self.aux_layer_ids,
+                           self.proposer, self.draft_kv_caches, self.scheduler_config,
+                           self.max_model_len, self.config.speculative.num_speculative_tokens,
+                           self.device)
 
     def _propose(self, batch: StepBatch, sampled: torch.Tensor, hidden,
                  num_drafts: int | None = None) -> torch.Tensor:

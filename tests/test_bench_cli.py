@@ -87,7 +87,7 @@ def test_bench_compare_hf_same_tokens_as_transformers(capsys, pair):
 def test_bench_peer_decodes_exactly_max_new_tokens(pair):
     """EOS does not stop the peer (rocdraft's bench ignores EOS too), and left padding keeps
     each row's tokens: a batch of two equals each prompt alone."""
-    from rocdraft.bench_cli import HFPeer
+    from rocdraft.bench_peers import HFPeer
 
     peer = HFPeer(pair["target"], "float32", "cpu")
     prompts = [[1, 5, 6, 7], [1, 30, 31]]
