@@ -23,7 +23,8 @@ from rocdraft.errors import BackendUnavailableError, RocdraftError, UnsupportedF
 from vendor_emulation import (Vendor, VendorContractError, install_vendor, make_step, random_cache, random_qkv,
                               run_against_torch_sdpa)
 from vendor_emulation import flash_attn_emulation
-from vendor_emulation.real_signatures import FLASH_ATTN, FLASH_ATTN_VERSION, signature_of
+from vendor_emulation.real_signatures import (FLASH_ATTN, FLASH_ATTN_VERSION, import_real_vendor,
+                                              signature_of)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 64, 256, 8
 BATCHES = {  # name: (query_lens, seq_lens); seq lens cross the 256-token page boundary
@@ -112,12 +113,7 @@ def test_emulated_signatures_equal_the_real_ones(name):
 
 @pytest.mark.parametrize("name", sorted(FLASH_ATTN))
 def test_real_flash_attn_signatures_equal_the_checked_in_copy(name):
-    try:
-        import flash_attn
-    except Exception as exc:  # noqa: BLE001 (absent, or no GPU build: nothing to compare)
-        pytest.skip(f"flash_attn is not importable here: {type(exc).__name__}")
-    if getattr(flash_attn, "ROCDRAFT_EMULATION", False):
-        pytest.skip("sys.modules holds the emulation")
+    flash_attn = import_real_vendor("flash_attn")
     version = getattr(flash_attn, "__version__", "unknown")
     assert signature_of(getattr(flash_attn, name)) == FLASH_ATTN[name], (
         f"flash_attn {version} differs from the {FLASH_ATTN_VERSION} copy in real_signatures.py")

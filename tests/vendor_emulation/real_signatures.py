@@ -80,3 +80,19 @@ def signature_of(fn) -> list[tuple[str, str | None]]:
     """``fn``'s parameters as ``(name, repr of the default or REQUIRED)``, in order."""
     return [(p.name, REQUIRED if p.default is inspect.Parameter.empty else repr(p.default))
             for p in inspect.signature(fn).parameters.values()]
+
+
+def import_real_vendor(module_name: str):
+    """The real vendor package, or a pytest skip naming why it cannot be compared here
+    (absent, no ROCm / GPU build, or the emulation is what sys.modules holds)."""
+    import importlib
+
+    import pytest
+
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 (any import failure: nothing to compare)
+        pytest.skip(f"{module_name} is not importable here: {type(exc).__name__}")
+    if getattr(module, "ROCDRAFT_EMULATION", False):
+        pytest.skip("sys.modules holds the emulation")
+    return module
