@@ -15,10 +15,15 @@ from rocdraft.models.config import checkpoint_dir, read_json
 
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, bos_token_id: int | None = None,
-                 add_bos: bool | None = None) -> None:
+                 add_bos: bool | None = None, chat_template: str | None = None,
+                 special_tokens: dict[str, str] | None = None) -> None:
         self._tok = tokenizer
         self.bos_token_id = bos_token_id
         self._add_bos = add_bos  # None: as the post-processor does
+        # tokenizer_config.json's Jinja2 chat template (None: the model has none) and the
+        # special-token strings a template refers to (bos_token, eos_token, ...).
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
 
     @property
     def vocab_size(self) -> int:
@@ -82,4 +87,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     bos_token = _token_content(config.get("bos_token"))
     bos_id = tok.token_to_id(bos_token) if bos_token else None
     add_bos = config.get("add_bos_token")
-    return Tokenizer(tok, bos_id, None if add_bos is None else bool(add_bos))
+    template = config.get("chat_template")
+    if isinstance(template, list):  # the named-templates form: [{"name", "template"}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    special = {name: _token_content(config.get(name)) for name in
+               ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return Tokenizer(tok, bos_id, None if add_bos is None else bool(add_bos),
+                     template if isinstance(template, str) else None,
+                     {name: value for name, value in special.items() if value})

@@ -1,13 +1,19 @@
-"""``LLM``: the public entry point. Loads the target (and an EAGLE head), picks attention
-backends through the registry, allocates the paged KV caches, and runs continuous batching:
+"""The engine. ``LLMEngine`` loads the target (and an EAGLE head), picks attention backends
+through the registry, allocates the paged KV caches, and runs continuous batching one step
+at a time over requests that join (``add_request``) and leave (``abort_request``, or when
+they finish) between any two steps:
 
     schedule -> target forward -> rejection sampler -> request updates -> drafter
+
+``LLM`` is the offline front end: ``generate`` adds a batch and steps until it is done.
+The engine is not thread-safe: one thread calls add/abort/step (rocdraft/serve runs it in
+its own loop thread).
 """
 from __future__ import annotations
 
 import logging
-import numbers
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +33,7 @@ from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_bloc
 from rocdraft.loading import load_draft_head, load_target_model
 from rocdraft.outputs import GenerationStats, RequestOutput
 from rocdraft.platform import detect_platform
+from rocdraft.prompts import prompt_error, tokenize_prompt
 from rocdraft.rejection_sampler import rejection_sample
 from rocdraft.request import Request
 from rocdraft.sampler import SamplingTensorCache
@@ -38,7 +45,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class LLM:
+class LLMEngine:
     def __init__(self, target: str, draft: str | None = None,
                  speculative_config: SpeculativeConfig | None = None, dtype: str = "float32",
                  device: str | None = None, attention_backend: str | None = None,
@@ -109,6 +116,10 @@ class LLM:
         if spec:
             self._setup_drafter(spec, kind, block_size, num_blocks, max_num_seqs,
                                 max_num_batched_tokens)
+        self.scheduler = Scheduler(self.scheduler_config)
+        self.requests: dict = {}  # request id -> Request, in flight (added, not yet reported done)
+        # Counters over every step this engine ran (generate() also keeps its own call's).
+        self.stats = GenerationStats(num_speculative_tokens=k)
         self.last_stats = GenerationStats()
         self.sampling_cache = SamplingTensorCache()  # a batch's sampling tensors, kept across steps
         # True: synchronise a GPU at each phase boundary so the time split is exact (bench).
@@ -157,91 +168,102 @@ class LLM:
         else:
             log.info("draft loop runs eagerly: %s", self.draft_graph_refusal)
 
-    # --- public API ------------------------------------------------------------------------
+    # --- the step API ----------------------------------------------------------------------
 
-    def generate(self, prompts: list, sampling_params: SamplingParams | list | None = None
-                 ) -> list[RequestOutput]:
-        """prompts: strings (need a tokenizer) or lists of token ids; one SamplingParams for
-        all or one per prompt. A bad request fails alone (finish_reason "error")."""
-        if not isinstance(prompts, (list, tuple)):
-            raise RocdraftError(f"prompts must be a list of strings or of token-id lists, got "
-                                f"{type(prompts).__name__}")
-        params = SamplingParams() if sampling_params is None else sampling_params
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        elif not isinstance(params, (list, tuple)):
-            raise RocdraftError(f"sampling_params must be a SamplingParams or a list of them "
-                                f"(one per prompt), got {type(params).__name__}")
-        if len(params) != len(prompts):
-            raise RocdraftError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        for i, sp in enumerate(params):  # refused before any request runs: nothing is lost
-            if not isinstance(sp, SamplingParams):
-                raise RocdraftError(f"sampling_params[{i}] is a {type(sp).__name__}, not a "
-                                    f"SamplingParams")
-        spec = self.config.speculative
-        stats = GenerationStats(num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
-        scheduler = Scheduler(self.scheduler_config)
-        requests = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        for req in requests:
-            if not req.is_finished:
-                scheduler.add(req)
-        while scheduler.has_unfinished:
-            self._step(scheduler, stats)
-        stats.num_preemptions = scheduler.num_preemptions
-        stats.generated_tokens = sum(len(r.output_token_ids) for r in requests)
-        self.last_stats = stats
-        return [self._output(r) for r in requests]
+    def add_request(self, request_id, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request (it joins the batch at the next step). prompt: a string (needs a
+        tokenizer) or token ids. A RocdraftError naming the bad value for a duplicate id, a
+        prompt that cannot run or bad params; the engine is then unchanged."""
+        if request_id in self.requests:
+            raise RocdraftError(f"request id {request_id!r} is already in flight")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RocdraftError(f"params for request {request_id!r} is a "
+                                f"{type(params).__name__}, not a SamplingParams")
+        req = self._make_request(request_id, prompt, params)
+        if req.is_finished:
+            raise RocdraftError(f"request {request_id!r}: {req.error}")
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id) -> bool:
+        """Stop a request now and free its target and draft KV blocks (they share one block
+        table). False when no such request is in flight."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        req.finish("abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler_config.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.allocator.num_free_blocks
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step -> the outputs of the requests that advanced: their new tokens
+        (several with speculation), ``finished`` and ``finish_reason``. Finished requests
+        leave the engine."""
+        if not self.scheduler.has_unfinished:
+            return []
+        preemptions = self.scheduler.num_preemptions
+        advanced = self._step(self.scheduler, self.stats)
+        self.stats.num_preemptions += self.scheduler.num_preemptions - preemptions
+        outputs = []
+        for req, new_tokens in advanced:
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+            self.stats.generated_tokens += len(new_tokens)
+            outputs.append(self._step_output(req, new_tokens))
+        return outputs
 
     # --- internals -------------------------------------------------------------------------
 
-    def _make_request(self, index: int, prompt, params: SamplingParams) -> Request:
+    def _make_request(self, request_id, prompt, params: SamplingParams) -> Request:
+        """A Request for ``prompt``; one that cannot run is already finished with "error"."""
         cfg = self.target.config
-        ids, error = self._tokenize(prompt)
-        req = Request(index, ids, params, eos_token_ids=tuple(cfg.eos_token_ids))
-        if error is None and not ids:
-            error = "empty prompt"
-        if error is None:
-            bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-            if bad:
-                error = f"token ids {bad[:5]} outside the vocabulary [0, {cfg.vocab_size})"
-        if error is None and len(ids) >= self.max_model_len:
-            error = (f"prompt of {len(ids)} tokens does not fit max_model_len "
-                     f"{self.max_model_len} (at least one token must be generated)")
+        ids, error = tokenize_prompt(prompt, self.tokenizer)
+        req = Request(request_id, ids, params, eos_token_ids=tuple(cfg.eos_token_ids))
+        error = error or prompt_error(ids, cfg.vocab_size, self.max_model_len)
         if error:
             req.finish("error", error)
         return req
 
-    def _tokenize(self, prompt) -> tuple[list[int], str | None]:
-        """-> (token ids, None) or ([], why the prompt cannot run)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                return [], "text prompt given but the target has no tokenizer.json"
-            try:
-                return self.tokenizer.encode(prompt), None
-            except RocdraftError as exc:
-                return [], str(exc)
-        if isinstance(prompt, (bytes, bytearray)):
-            return [], (f"prompt is {type(prompt).__name__}; pass a str (text) or a list of "
-                        f"int token ids")
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        try:
-            ids = list(prompt)
-        except TypeError:
-            return [], (f"prompt of type {type(prompt).__name__} is neither a string nor a "
-                        f"list of token ids")
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                return [], (f"token id at index {i} is {t!r} ({type(t).__name__}); token ids "
-                            f"must be integers")
-        return [int(t) for t in ids], None
-
     def _output(self, req: Request) -> RequestOutput:
+        """The final output of a finished request, with its text."""
         text = None
         if self.tokenizer is not None and req.finish_reason != "error":
             text = self.tokenizer.decode(req.output_token_ids)
         return RequestOutput(list(req.prompt_token_ids), list(req.output_token_ids), text,
-                             req.finish_reason or "length", req.error)
+                             req.finish_reason or "length", req.error,
+                             request_id=req.request_id, finished=True,
+                             num_verify_steps=req.num_verify_steps,
+                             num_accepted_drafts=req.num_accepted_drafts)
+
+    @staticmethod
+    def _step_output(req: Request, new_tokens: list[int]) -> RequestOutput:
+        """One step's output of ``req`` (no text: a server decodes incrementally). The prompt
+        list is shared, not copied."""
+        return RequestOutput(req.prompt_token_ids, list(req.output_token_ids), None,
+                             req.finish_reason, req.error, request_id=req.request_id,
+                             new_token_ids=new_tokens, finished=req.is_finished,
+                             num_verify_steps=req.num_verify_steps,
+                             num_accepted_drafts=req.num_accepted_drafts)
 
     def _clock(self) -> float:
         """Host time; with ``sync_timing`` on a GPU, after the queued work finished (so the
@@ -250,7 +272,10 @@ class LLM:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _step(self, scheduler: Scheduler, stats: GenerationStats) -> None:
+    def _step(self, scheduler: Scheduler, stats: GenerationStats
+              ) -> list[tuple[Request, list[int]]]:
+        """One step over ``scheduler``'s batch -> (request, tokens appended) of every request
+        that sampled this step."""
         if self.proposer is not None and not scheduler.running:
             self._ensure_step_costs(scheduler)
         t0 = self._clock()
@@ -283,14 +308,15 @@ class LLM:
         t4 = self._clock()
         sampled_cpu = sampled.tolist()  # the one device-to-host sync of a step
         drafts_cpu = drafts.tolist() if drafts is not None else None
-        self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu, stats,
-                              num_drafts)
+        advanced = self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu,
+                                         stats, num_drafts)
         t5 = self._clock()
         stats.num_steps += 1
         stats.time_s["bookkeeping"] += (t1 - t0) + (t5 - t4)
         stats.time_s["target_verify"] += t2 - t1
         stats.time_s["sampler"] += t3 - t2
         stats.time_s["draft"] += t4 - t3
+        return advanced
 
     def drafts_per_request(self, batch_size: int) -> int:
         """The most drafts each request may verify next step: k, or fewer when
@@ -392,10 +418,11 @@ class LLM:
 
     def _update_requests(self, scheduler: Scheduler, scheduled: list[ScheduledRequest],
                          batch: StepBatch, sampled_cpu, drafts_cpu, stats: GenerationStats,
-                         per_request: int = 0) -> None:
+                         per_request: int = 0) -> list[tuple[Request, list[int]]]:
         """Append the step's tokens, advance the scheduler, keep ``per_request`` drafts per
-        request for the next step and feed the acceptance estimate."""
-        verified, accepted = [], []
+        request for the next step and feed the acceptance estimate -> (request, tokens
+        appended) per request that sampled."""
+        verified, accepted, advanced = [], [], []
         for row, item in enumerate(scheduled):
             req = item.request
             if not batch.samples[row]:  # partial prefill: nothing sampled yet
@@ -405,10 +432,14 @@ class LLM:
             num_accepted = len(tokens) - 1
             if item.num_draft_tokens:
                 stats.record_verification(item.num_draft_tokens, num_accepted)
+                req.num_verify_steps += 1
+                req.num_accepted_drafts += num_accepted
                 verified.append(item.num_draft_tokens)
                 accepted.append(num_accepted)
             scheduler.update_after_step(item, num_accepted)
+            before = len(req.output_token_ids)
             req.append_tokens(tokens, self.max_model_len)
+            advanced.append((req, req.output_token_ids[before:]))
             if req.is_finished:
                 scheduler.finish(req)
             elif drafts_cpu is not None and per_request:
@@ -416,3 +447,65 @@ class LLM:
                 req.spec_token_ids = drafts_cpu[row][:max(room, 0)]
         if verified:
             self.acceptance.update(verified, accepted)
+        return advanced
+
+
+class LLM(LLMEngine):
+    """The offline front end: ``generate`` runs a batch of prompts to completion."""
+
+    def generate(self, prompts: list, sampling_params: SamplingParams | list | None = None
+                 ) -> list[RequestOutput]:
+        """prompts: strings (need a tokenizer) or lists of token ids; one SamplingParams for
+        all or one per prompt. A bad request fails alone (finish_reason "error")."""
+        if not isinstance(prompts, (list, tuple)):
+            raise RocdraftError(f"prompts must be a list of strings or of token-id lists, got "
+                                f"{type(prompts).__name__}")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif not isinstance(params, (list, tuple)):
+            raise RocdraftError(f"sampling_params must be a SamplingParams or a list of them "
+                                f"(one per prompt), got {type(params).__name__}")
+        if len(params) != len(prompts):
+            raise RocdraftError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for i, sp in enumerate(params):  # refused before any request runs: nothing is lost
+            if not isinstance(sp, SamplingParams):
+                raise RocdraftError(f"sampling_params[{i}] is a {type(sp).__name__}, not a "
+                                    f"SamplingParams")
+        if self.requests:
+            raise RocdraftError(f"generate() called while {len(self.requests)} requests added "
+                                f"with add_request are in flight; step them to completion first")
+        spec = self.config.speculative
+        stats = GenerationStats(num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        # Ids private to this call: an int index per prompt wrapped so no user id collides.
+        requests = [self._make_request(_BatchIndex(i), p, sp)
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
+        preemptions_before = self.scheduler.num_preemptions
+        for req in requests:
+            if not req.is_finished:
+                self.requests[req.request_id] = req
+                self.scheduler.add(req)
+        try:
+            while self.scheduler.has_unfinished:
+                for req, _ in self._step(self.scheduler, stats):
+                    if req.is_finished:
+                        self.requests.pop(req.request_id, None)
+        finally:
+            for req in requests:  # an exception mid-run: nothing stays queued or holds blocks
+                if self.requests.pop(req.request_id, None) is not None:
+                    self.scheduler.abort(req)
+            stats.num_preemptions = self.scheduler.num_preemptions - preemptions_before
+            stats.generated_tokens = sum(len(r.output_token_ids) for r in requests)
+            self.stats.merge(stats)
+        self.last_stats = stats
+        return [self._output(r) for r in requests]
+
+
+@dataclass(frozen=True)
+class _BatchIndex:
+    """A request id of ``LLM.generate``: the prompt's index, distinct from any user id."""
+
+    index: int
+
+    def __str__(self) -> str:
+        return str(self.index)

@@ -1,4 +1,5 @@
-"""What ``LLM.generate`` returns: one ``RequestOutput`` per prompt and the run's statistics."""
+"""What the engine returns: ``RequestOutput`` (one per prompt from ``LLM.generate``, one per
+advanced request from ``LLMEngine.step``) and the statistics of a run."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,10 +8,22 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class RequestOutput:
     prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens only
-    text: str | None
-    finish_reason: str  # "stop" | "length" | "error"
+    token_ids: list[int]  # generated tokens only (all so far)
+    text: str | None  # None in step outputs (a server decodes incrementally)
+    finish_reason: str | None  # "stop" | "length" | "error" | "abort"; None while running
     error: str | None = None
+    request_id: object = None
+    new_token_ids: list[int] = field(default_factory=list)  # appended by this step
+    finished: bool = True
+    num_verify_steps: int = 0  # this request's steps that verified drafts
+    num_accepted_drafts: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Accepted drafts + 1 per verification step of this request (0.0: none yet)."""
+        if not self.num_verify_steps:
+            return 0.0
+        return (self.num_accepted_drafts + self.num_verify_steps) / self.num_verify_steps
 
 
 @dataclass
@@ -33,6 +46,18 @@ class GenerationStats:
         k = self.num_speculative_tokens
         self.accepted_at_position = [0] * k
         self.proposed_at_position = [0] * k
+
+    def merge(self, other: "GenerationStats") -> None:
+        """Add ``other``'s counters and times to these (same number of positions)."""
+        for name in ("generated_tokens", "num_steps", "num_verify_steps",
+                     "num_accepted_drafts", "num_preemptions"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.accepted_at_position, other.accepted_at_position),
+                             (self.proposed_at_position, other.proposed_at_position)):
+            for j, count in enumerate(theirs[:len(mine)]):
+                mine[j] += count
+        for phase, seconds in other.time_s.items():
+            self.time_s[phase] = self.time_s.get(phase, 0.0) + seconds
 
     def record_verification(self, num_drafts: int, num_accepted: int) -> None:
         self.num_verify_steps += 1

@@ -15,7 +15,7 @@ class Status(enum.Enum):
 
 @dataclass
 class Request:
-    request_id: int
+    request_id: object  # any hashable id (the step API's caller chooses it)
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
@@ -24,9 +24,11 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts awaiting verification
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None
     num_preemptions: int = 0
+    num_verify_steps: int = 0  # steps that verified at least one of its drafts
+    num_accepted_drafts: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

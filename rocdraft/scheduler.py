@@ -115,6 +115,12 @@ class Scheduler:
             self.allocator.free(req.block_ids)
             req.block_ids = []
 
+    def abort(self, req: Request) -> None:
+        """Drop ``req`` wherever it is (waiting or running) and release its blocks."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.finish(req)
+
     def update_after_step(self, item: ScheduledRequest, num_accepted_drafts: int) -> None:
         """Advance ``num_computed_tokens``: the scheduled tokens minus rejected drafts."""
         rejected = item.num_draft_tokens - num_accepted_drafts

@@ -301,3 +301,123 @@ def test_cost_measurement_fits_small_engine_limits(cyclic_pair):
               max_num_seqs=3, max_num_batched_tokens=8)
     assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
     assert sorted(llm.step_costs) == [1, 2, 4]
+
+
+# --- the step API (LLMEngine): requests joining and leaving between steps ---------------
+
+@pytest.fixture(scope="module")
+def accepting_pair(tmp_path_factory):
+    """A cyclic target and an EAGLE-3 head that is right most of the time (drafts accepted)."""
+    from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
+
+    root = tmp_path_factory.mktemp("step_api")
+    target = write_cyclic_llama(root / "target")
+    head = write_cyclic_eagle3_head(root / "eagle3", target)
+    return str(target), str(head)
+
+
+def _spec_engine(pair, cls=None, **kwargs):
+    from rocdraft.config import SpeculativeConfig
+    from rocdraft.engine import LLMEngine
+
+    target, head = pair
+    cls = cls or LLMEngine
+    return cls(target, draft=head, speculative_config=SpeculativeConfig(
+        "eagle3", 3, draft_policy="fixed"), **kwargs)
+
+
+def _run_staggered(engine, prompts, params, arrivals):
+    """Add prompt i before step arrivals[i]; step to the end -> (outputs by id, new tokens
+    streamed per id, steps)."""
+    final, streamed, step = {}, {i: [] for i in range(len(prompts))}, 0
+    pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    while pending or engine.has_unfinished_requests():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            engine.add_request(i, prompts[i], params)
+        for out in engine.step():
+            streamed[out.request_id] += out.new_token_ids
+            assert out.token_ids == streamed[out.request_id]
+            if out.finished:
+                final[out.request_id] = out
+        step += 1
+    return final, streamed
+
+
+def test_staggered_arrivals_give_the_outputs_of_one_batch(accepting_pair):
+    from rocdraft.engine import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    reference = LLM(accepting_pair[0]).generate(SPEC_PROMPTS, params)
+    engine = _spec_engine(accepting_pair)
+    final, streamed = _run_staggered(engine, SPEC_PROMPTS, params, arrivals=[0, 3, 1, 7])
+    assert [final[i].token_ids for i in range(4)] == [o.token_ids for o in reference]
+    assert all(final[i].finish_reason == "length" for i in range(4))
+    assert engine.stats.acceptance_length > 1.5  # drafts were accepted across the arrivals
+    assert max(final[i].acceptance_length for i in range(4)) > 1.5
+    assert engine.num_free_blocks == engine.num_blocks and not engine.has_unfinished_requests()
+
+
+def test_abort_frees_every_block_and_leaves_the_others_unchanged(accepting_pair):
+    from rocdraft.engine import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    reference = LLM(accepting_pair[0]).generate(SPEC_PROMPTS, params)
+    engine = _spec_engine(accepting_pair, max_num_batched_tokens=16)
+    for i, prompt in enumerate(SPEC_PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    seen = {f"r{i}": [] for i in range(4)}
+    for _ in range(3):  # r2 (29 tokens) is still in chunked prefill; r1 is decoding
+        for out in engine.step():
+            seen[out.request_id] += out.new_token_ids
+    assert seen["r1"] and engine.num_running >= 2
+    assert engine.abort_request("r1") and engine.abort_request("r2")
+    assert not engine.abort_request("r1") and not engine.abort_request("nope")
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id in ("r0", "r3")
+            if out.finished:
+                final[out.request_id] = out
+    assert final["r0"].token_ids == reference[0].token_ids
+    assert final["r3"].token_ids == reference[3].token_ids
+    assert engine.num_free_blocks == engine.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    # A waiting request can be aborted too, and the engine is then empty.
+    engine.add_request("w", SPEC_PROMPTS[0], params)
+    assert engine.num_waiting == 1 and engine.abort_request("w")
+    assert not engine.has_unfinished_requests() and engine.step() == []
+
+
+def test_add_request_refuses_bad_input_and_changes_nothing(accepting_pair):
+    engine = _spec_engine(accepting_pair, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    engine.add_request("a", [1, 2, 3], params)
+    for request_id, prompt, sp, fragment in [
+        ("a", [1, 2], params, "already in flight"),
+        ("b", [], params, "empty prompt"),
+        ("c", [1, 10_000], params, "outside the vocabulary"),
+        ("d", [1] * 64, params, "does not fit max_model_len 64"),
+        ("e", [1, "x"], params, "token id at index 1"),
+        ("f", [1, 2], {"temperature": 0}, "not a SamplingParams"),
+    ]:
+        with pytest.raises(RocdraftError, match=fragment):
+            engine.add_request(request_id, prompt, sp)
+    assert list(engine.requests) == ["a"] and engine.num_waiting == 1
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].request_id == "a" and outs[-1].finished and len(outs[-1].token_ids) == 4
+
+
+def test_generate_refuses_to_mix_with_requests_in_flight(accepting_pair):
+    from rocdraft.engine import LLM
+
+    llm = _spec_engine(accepting_pair, cls=LLM)
+    llm.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RocdraftError, match="1 requests added with add_request"):
+        llm.generate([[1, 2]])
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+    assert llm.stats.generated_tokens >= 3 + 2  # engine-wide counters include both

@@ -78,3 +78,19 @@ def test_text_without_a_utf8_form_is_a_user_error(tok_dir, text, fragments):
 def test_encode_refuses_what_is_not_a_str(tok_dir, value):
     with pytest.raises(RocdraftError, match=f"must be a str, got {type(value).__name__}"):
         load_tokenizer(tok_dir).encode(value)
+
+
+def test_chat_template_and_special_tokens_come_from_tokenizer_config(tok_dir):
+    config = {"bos_token": {"content": "<s>"}, "eos_token": "</s>",
+              "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(tok_dir)
+    assert tok.chat_template == config["chat_template"]
+    assert tok.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    # The named-templates form keeps the "default" one; no template at all gives None.
+    config["chat_template"] = [{"name": "tool_use", "template": "T"},
+                               {"name": "default", "template": "D"}]
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(tok_dir).chat_template == "D"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert load_tokenizer(tok_dir).chat_template is None
