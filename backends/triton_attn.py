@@ -2,9 +2,10 @@
 
 ``forward`` writes the new K/V with the Triton paged KV write, then runs the unified paged
 attention kernel over the NHD cache: any mix of prefill chunks, decodes and multi-token
-queries in one launch, GQA, fp8 caches, and the ``spec_mask`` of tree drafting. The launch is
-sized from host ints of the metadata only (no device reads), so a whole step or the
-multi-step draft loop can be captured in one CUDA/HIP graph.
+queries in one launch, GQA, fp8 caches, and the ``spec_mask`` of tree drafting (shared or
+per request; the row rule of backends/metadata.py). The launch is sized from host ints of
+the metadata only (no device reads), so a whole step or the multi-step draft loop can be
+captured in one CUDA/HIP graph.
 
 Runs wherever Triton does: ROCm and CUDA GPUs, and the CPU under ``TRITON_INTERPRET=1``
 (slow; for tests). The kernel modules import triton and decorate the kernels, which fixes

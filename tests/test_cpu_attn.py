@@ -15,7 +15,8 @@ from rocdraft.backends.cpu_attn import (CpuAttnBackend, CpuAttnBuilder, CpuAttnI
 from rocdraft.backends.kv_cache import FP8_DTYPES, NHD, SPLIT_K, allocate_kv_cache
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.torch_sdpa import TorchSDPABuilder, TorchSDPAImpl
-from test_torch_sdpa import MIXED, Case, tree_mask
+from test_torch_sdpa import (MIXED, TREE_SPECS, Case, dense_allowed_for, random_tree_masks,
+                             tree_mask)
 
 DECODES = [(5, 1), (12, 1), (1, 1), (30, 1)]
 VERIFIES = [(5, 5), (12, 5), (0, 5), (30, 5)]  # 1 + 4 drafts each: a uniform batch
@@ -112,6 +113,46 @@ def test_tree_spec_mask_equals_the_oracle(layout, specs):
                                         cache_dtype=torch.float16, q_dtype=torch.float16,
                                         seed=8))
     assert not torch.allclose(plain.float(), fast.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("layout", (NHD, SPLIT_K))
+@pytest.mark.parametrize("specs", [TREE_SPECS, [(5, 6), (9, 6), (0, 6)]],
+                         ids=["ragged", "uniform"])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1)], ids=["gqa2", "gqa6"])
+def test_per_request_tree_masks_equal_the_oracle_and_naive(layout, specs, heads):
+    masks = random_tree_masks(len(specs), 6, seed=2)
+    make = lambda: Case(specs, num_heads=heads[0], num_kv_heads=heads[1],  # noqa: E731
+                        layout=layout, seed=13)
+    fast, oracle, fast_case, oracle_case = _both(make, num_padding=3, spec_mask=masks)
+    n = sum(q for _, q in specs)
+    torch.testing.assert_close(fast, oracle, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast[:n], fast_case.expected(dense_allowed_for(fast_case, masks)),
+                               atol=1e-5, rtol=1e-5)
+    assert not fast[n:].any()  # graph padding rows
+    _assert_same_caches(fast_case, oracle_case)
+
+
+def test_shared_mask_equals_the_same_mask_per_request():
+    mask = tree_mask([-1, 0, 0, 1, 1, 2])
+    shared, _, _, _ = _both(lambda: Case(TREE_SPECS, seed=14), num_padding=2, spec_mask=mask)
+    per_request, _, _, _ = _both(lambda: Case(TREE_SPECS, seed=14), num_padding=2,
+                                 spec_mask=mask.expand(len(TREE_SPECS), 6, 6).clone())
+    assert torch.equal(shared, per_request)
+
+
+def test_drafting_plan_honours_per_request_masks():
+    """A tree level with one query per request (q = 1 < S) goes through build_for_drafting:
+    the query uses the last mask row of its own request's tree."""
+    specs = [(5, 1), (3, 1), (9, 1)]
+    masks = random_tree_masks(3, 4, seed=3)
+    masks[:, -1, :] = torch.tensor([True, False, True, True])  # differs from causal
+    case = Case(specs, seed=15)
+    query, key, value, slots = case.new_token_inputs()
+    meta = CpuAttnBuilder("cpu").build_for_drafting(_common(case, slots, masks), 1)
+    out = CpuAttnImpl(4, 2, 16, case.scale).forward(query, key, value, case.cache, meta)
+    torch.testing.assert_close(out, case.expected(dense_allowed_for(case, masks)),
+                               atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, case.expected(), atol=1e-3)
 
 
 @pytest.mark.parametrize("layout", (NHD, SPLIT_K))

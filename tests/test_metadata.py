@@ -115,3 +115,50 @@ def test_post_init_checks_num_reqs():
     m = worked_example()
     with pytest.raises(ValueError, match="num_reqs"):
         m.with_updates(num_reqs=2)
+
+
+# --- spec_mask (tree masks): shared [S, S] or per request [num_reqs, S, S] ----------------
+
+def test_spec_mask_shared_and_per_request_forms_are_accepted():
+    m = worked_example()  # seq_lens [6, 3, 9]: S up to 3
+    shared = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    assert m.with_updates(spec_mask=shared).spec_mask is shared
+    per_request = shared.expand(3, 3, 3)  # a view with batch stride 0 is fine
+    assert m.with_updates(spec_mask=per_request).spec_mask.shape == (3, 3, 3)
+
+
+@pytest.mark.parametrize("mask, match", [
+    (torch.ones(2, 2, dtype=torch.uint8), r"bool.*torch.uint8 of shape \[2, 2\]"),
+    (torch.ones(3, dtype=torch.bool), r"\[S, S\] or \[num_reqs, S, S\].*shape \[3\]"),
+    (torch.ones(3, 1, 2, 2, dtype=torch.bool), r"shape \[3, 1, 2, 2\]"),
+    (torch.ones(2, 3, dtype=torch.bool), r"shape \[2, 3\]"),
+    (torch.ones(3, 2, 3, dtype=torch.bool), r"shape \[3, 2, 3\]"),
+    (torch.ones(0, 0, dtype=torch.bool), r"S >= 1.*shape \[0, 0\]"),
+    (torch.ones(2, 2, 2, dtype=torch.bool), r"shape \[2, 2, 2\] has batch dim 2.*num_reqs = 3"),
+    (torch.ones(4, 4, dtype=torch.bool), r"shape \[4, 4\].*S = 4.*request 1 has seq_len 3"),
+    (torch.ones(3, 5, 5, dtype=torch.bool), r"shape \[3, 5, 5\].*request 1 has seq_len 3"),
+], ids=["not-bool", "1-D", "4-D", "not-square", "not-square-3d", "empty", "batch-dim",
+        "longer-than-a-request", "per-request-longer"])
+def test_bad_spec_mask_is_refused_in_one_line_naming_the_shape(mask, match):
+    m = worked_example()
+    with pytest.raises(ValueError, match=match) as info:
+        m.with_updates(spec_mask=mask)
+    assert "\n" not in str(info.value)
+
+
+def test_spec_mask_check_reads_no_device_tensor():
+    # Device tensors on "meta": any host read would raise; seq_lens_cpu is the host copy.
+    m = worked_example()
+    meta = m.with_updates(seq_lens=m.seq_lens.to("meta"),
+                          spec_mask=torch.ones(3, 2, 2, dtype=torch.bool, device="meta"))
+    assert meta.spec_mask.device.type == "meta"
+    with pytest.raises(ValueError, match="seq_len 3"):
+        m.with_updates(seq_lens=m.seq_lens.to("meta"),
+                       spec_mask=torch.ones(4, 4, dtype=torch.bool, device="meta"))
+
+
+def test_spec_mask_with_an_empty_batch_checks_only_the_shape():
+    m = CommonAttentionMetadata.from_cpu([0], [], torch.zeros(0, 4), torch.zeros(0), "cpu")
+    assert m.with_updates(spec_mask=torch.ones(0, 2, 2, dtype=torch.bool)).num_reqs == 0
+    with pytest.raises(ValueError, match="batch dim 1"):
+        m.with_updates(spec_mask=torch.ones(1, 2, 2, dtype=torch.bool))

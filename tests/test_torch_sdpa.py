@@ -289,6 +289,95 @@ def test_tree_spec_mask_matches_naive_masked_attention(layout):
     assert not torch.allclose(plain.float(), out.float(), atol=1e-2)
 
 
+def random_tree_masks(num_reqs, num_spec, seed):
+    """[num_reqs, S, S]: a different random tree (parents[i] < i) for every request."""
+    g = torch.Generator().manual_seed(seed)
+    masks = []
+    for _ in range(num_reqs):
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, num_spec)]
+        masks.append(tree_mask(parents))
+    return torch.stack(masks)
+
+
+def naive_tree_visibility(mask_b, query_len, seq_len):
+    """One request, by hand: dense [query_len, seq_len] bool. Query token j sits at position
+    seq_len - query_len + j; the mask covers the last S keys and query token j uses mask row
+    S - query_len + j (the rule of backends/metadata.py); causal everywhere."""
+    num_spec = mask_b.shape[0]
+    first = seq_len - num_spec
+    vis = torch.zeros(query_len, seq_len, dtype=torch.bool)
+    for j in range(query_len):
+        p = seq_len - query_len + j
+        for k in range(p + 1):
+            if p >= first and k >= first:
+                vis[j, k] = bool(mask_b[num_spec - query_len + j, k - first])
+            else:
+                vis[j, k] = True
+    return vis
+
+
+def dense_allowed_for(case, masks):
+    """``Case.expected``'s allowed_for from per-request masks [B, S, S] (or one [S, S])."""
+    def allowed_for(i):
+        cached, query_len = case.specs[i]
+        mask_b = masks if masks.dim() == 2 else masks[i]
+        vis = naive_tree_visibility(mask_b, query_len, case.seq_lens[i])
+        return lambda p, k: bool(vis[p - cached, k])
+    return allowed_for
+
+
+# Ragged tree batch for S = 6: q < S (a tree level), q == S (a verify), q > S (ordinary tokens
+# before the tree), a decode (q = 1, the last mask row) and q == seq_len == S (no context).
+TREE_SPECS = [(7, 2), (4, 6), (3, 8), (10, 1), (0, 6), (5, 4)]
+
+
+def test_naive_tree_visibility_worked_example():
+    # seq_len 10, S 4, q 2: the mask covers positions 6..9; the query tokens sit at 8 and 9
+    # and use mask rows 2 and 3.
+    mask = tree_mask([-1, 0, 0, 1])
+    vis = naive_tree_visibility(mask, 2, 10)
+    assert vis[0].tolist() == [True] * 6 + [True, False, True, False]  # node 2: root, itself
+    assert vis[1].tolist() == [True] * 6 + [True, True, False, True]  # node 3: 0, 1, itself
+
+
+@pytest.mark.parametrize("layout", (NHD, SPLIT_K))
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1)], ids=["gqa2", "gqa6"])
+def test_per_request_tree_masks_match_naive_dense_reference(layout, heads):
+    masks = random_tree_masks(len(TREE_SPECS), 6, seed=1)
+    case = Case(TREE_SPECS, num_heads=heads[0], num_kv_heads=heads[1], layout=layout, seed=5)
+    out = case.run(num_padding=3, spec_mask=masks)
+    n = sum(q for _, q in TREE_SPECS)
+    torch.testing.assert_close(out[:n], case.expected(dense_allowed_for(case, masks)),
+                               atol=1e-5, rtol=1e-5)
+    assert not out[n:].any()  # graph padding rows: 0
+    # Request b used masks[b]: the same step with request 1's tree for everyone differs.
+    shared = Case(TREE_SPECS, num_heads=heads[0], num_kv_heads=heads[1], layout=layout,
+                  seed=5).run(num_padding=3, spec_mask=masks[1])
+    assert not torch.allclose(shared[:n], out[:n], atol=1e-3)
+
+
+def test_shared_mask_equals_the_same_mask_per_request():
+    mask = tree_mask([-1, 0, 0, 1, 1, 2])
+    shared = Case(TREE_SPECS, seed=6).run(num_padding=2, spec_mask=mask)
+    per_request = Case(TREE_SPECS, seed=6).run(
+        num_padding=2, spec_mask=mask.expand(len(TREE_SPECS), 6, 6).clone())
+    assert torch.equal(shared, per_request)
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), num_spec=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_ragged_per_request_masks_match_naive(data, num_spec, seed):
+    specs = data.draw(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 7)), min_size=1,
+                               max_size=4))
+    # Every request's seq_len must cover the S masked keys.
+    specs = [(max(c, num_spec - q), q) for c, q in specs]
+    masks = random_tree_masks(len(specs), num_spec, seed)
+    case = Case(specs, head_dim=8, seed=seed)
+    out = case.run(num_padding=1, spec_mask=masks)
+    torch.testing.assert_close(out[:-1], case.expected(dense_allowed_for(case, masks)),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_impl_rejects_bad_head_ratio():
     with pytest.raises(ValueError, match="3"):
         TorchSDPAImpl(4, 3, 16, 0.25)

@@ -145,6 +145,28 @@ def test_forward_matches_torch_sdpa(dtype, cache_dtype):
     torch.testing.assert_close(out[:real].float(), ref[:real].float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, FP8_DTYPES[0])])
+def test_forward_with_per_request_tree_masks_matches_torch_sdpa(dtype, cache_dtype):
+    """Per-request [num_reqs, S, S] masks through the backend: q < S (a tree level), q == S,
+    q > S; each request sees its own tree (mask row S - q + j for query token j)."""
+    q, k, v, cache, common = _step([2, 4, 6], [6, 3, 1], dtype, cache_dtype, seed=3)
+    masks = torch.tril(torch.ones(3, 4, 4, dtype=torch.bool))
+    masks[0, 3, 2] = masks[1, 2, 1] = masks[2, 3, 1] = False  # three different masks
+    common = common.with_updates(spec_mask=masks.to(DEVICE))
+    ref_cache = LayerKVCache(cache.key.clone(), cache.value.clone(), NHD, cache.k_scale,
+                             cache.v_scale)
+    args = (4, 2, 32, 32 ** -0.5)
+    ref = TorchSDPAImpl(*args).forward(q, k, v, ref_cache, TorchSDPABuilder().build(common))
+    out = TritonAttnImpl(*args).forward(q, k, v, cache, TritonAttnMetadata(common))
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
+    real = common.num_actual_tokens
+    torch.testing.assert_close(out[:real].float(), ref[:real].float(), atol=tol, rtol=tol)
+    plain = TorchSDPAImpl(*args).forward(q, k, v, ref_cache, TorchSDPABuilder().build(
+        common.with_updates(spec_mask=None)))
+    assert not torch.allclose(out[:real].float(), plain[:real].float(), atol=tol)
+
+
 @pytest.mark.parametrize("head_dim", [48, 112])
 def test_head_size_off_the_old_list_matches_torch_sdpa(head_dim):
     """48 and 112 pad to 64 and 128 inside both kernels (masked): same cache bytes, same

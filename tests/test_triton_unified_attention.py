@@ -142,6 +142,61 @@ def test_spec_mask(mask_kind, tiling):
         assert not torch.allclose(out[:5].float(), plain[:5].float(), atol=1e-2)
 
 
+def _random_tree_masks(num_reqs: int, num_spec: int, seed: int) -> torch.Tensor:
+    """[num_reqs, S, S]: a different random tree (parents[i] < i) per request."""
+    g = torch.Generator().manual_seed(seed)
+    masks = torch.zeros(num_reqs, num_spec, num_spec, dtype=torch.bool)
+    for b in range(num_reqs):
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, num_spec)]
+        for i in range(num_spec):
+            node = i
+            while node >= 0:
+                masks[b, i, node] = True
+                node = parents[node]
+    return masks
+
+
+# S = 6 over a ragged batch: q < S (a tree level), q == S, q > S, a decode, no context.
+TREE_QUERY_LENS, TREE_CONTEXT_LENS = [2, 6, 8, 1, 6], [7, 4, 3, 10, 0]
+
+
+@pytest.mark.parametrize("tiling", ["auto", "gpu"])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1)], ids=["gqa2", "gqa6"])
+def test_per_request_spec_masks(heads, tiling):
+    query, cache, common = make_batch(TREE_QUERY_LENS, TREE_CONTEXT_LENS, num_heads=heads[0],
+                                      num_kv_heads=heads[1], num_padding_tokens=3, seed=8)
+    masks = _random_tree_masks(len(TREE_QUERY_LENS), 6, seed=8).to(DEVICE)
+    out = assert_matches_reference(query, cache, common.with_updates(spec_mask=masks),
+                                   tiling=tiling)
+    real = common.num_actual_tokens
+    assert not out[real:].any()  # graph padding rows stay 0
+    # Each request used its own tree: request 1's tree for everyone changes the answer.
+    shared = unified_attention(query, cache, common.with_updates(spec_mask=masks[1]), 0.3)
+    assert not torch.allclose(out[:real].float(), shared[:real].float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+def test_per_request_spec_masks_with_fp8_cache(cache_dtype):
+    query, cache, common = make_batch(TREE_QUERY_LENS, TREE_CONTEXT_LENS,
+                                      dtype=torch.bfloat16, cache_dtype=cache_dtype, seed=9)
+    masks = _random_tree_masks(len(TREE_QUERY_LENS), 6, seed=9).to(DEVICE)
+    assert_matches_reference(query, cache, common.with_updates(spec_mask=masks))
+
+
+def test_shared_mask_equals_every_per_request_form():
+    """Shared [S, S], a per-request copy, a stride-0 expanded view and a column-major copy
+    all give bit-identical outputs (the kernel honours the batch and row/column strides)."""
+    query, cache, common = make_batch(TREE_QUERY_LENS, TREE_CONTEXT_LENS, seed=10)
+    mask = _random_tree_masks(1, 6, seed=10)[0].to(DEVICE)
+    num_reqs = len(TREE_QUERY_LENS)
+    shared = unified_attention(query, cache, common.with_updates(spec_mask=mask), 0.3)
+    column_major = mask.expand(num_reqs, 6, 6).transpose(1, 2).contiguous().transpose(1, 2)
+    for form in (mask.expand(num_reqs, 6, 6).clone(), mask.expand(num_reqs, 6, 6),
+                 column_major):
+        out = unified_attention(query, cache, common.with_updates(spec_mask=form), 0.3)
+        assert torch.equal(out, shared)
+
+
 def test_non_causal():
     query, cache, common = make_batch([3, 1, 4], [2, 5, 0], seed=4)
     assert_matches_reference(query, cache, common.with_updates(causal=False))
@@ -183,7 +238,10 @@ def test_checked_wrapper_rejects_bad_arguments(case):
     if case == "layout":
         cache.layout = SPLIT_K
     elif case == "spec_mask":
-        common = common.with_updates(spec_mask=torch.ones(2, 3, dtype=torch.bool))
+        with pytest.raises(ValueError, match=r"spec_mask.*shape \[2, 3\]"):  # the metadata
+            common.with_updates(spec_mask=torch.ones(2, 3, dtype=torch.bool))
+        common = common.with_updates(spec_mask=torch.ones(1, 1, dtype=torch.bool,
+                                                          device="meta"))  # wrong device
     elif case == "head_dim":
         query = query[..., :16].contiguous()
     else:

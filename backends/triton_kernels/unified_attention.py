@@ -17,10 +17,13 @@ of padding tokens stay zero.
 
 Masking, for query token j of request i at position ``p = seq_lens[i] - query_len_i + j``:
 key position k is visible when ``k < seq_lens[i]``, ``k <= p`` (causal), and, with a
-``spec_mask`` [num_spec, num_spec] over the last num_spec positions of the request
-(``first = seq_lens[i] - num_spec``), when ``spec_mask[p - first, k - first]`` for
-``p, k >= first``. Softmax is online (running max and sum) with fp32 accumulation; fp8
-caches are dequantised by folding the per-tensor / per-head scale into the scores and output.
+``spec_mask`` over the last num_spec positions of the request (``first = seq_lens[i] -
+num_spec``), when ``mask_i[p - first, k - first]`` for ``p, k >= first``: ``mask_i`` is the
+shared [num_spec, num_spec] mask (batch stride 0) or ``spec_mask[i]`` of a per-request
+[num_reqs, num_spec, num_spec] one. Row ``p - first`` is ``num_spec - query_len_i + j``: a query shorter
+than num_spec uses the last rows (the rule of backends/metadata.py). Softmax is online
+(running max and sum) with fp32 accumulation; fp8 caches are dequantised by folding the
+per-tensor / per-head scale into the scores and output.
 """
 from __future__ import annotations
 
@@ -63,7 +66,8 @@ def unified_attention_kernel(
         kc_stride_block, kc_stride_off, kc_stride_head,
         vc_stride_block, vc_stride_off, vc_stride_head,
         block_table_stride, max_blocks_per_seq, k_scale_stride, v_scale_stride,
-        spec_mask_stride_q, spec_mask_stride_k, num_spec, block_size, head_dim,
+        spec_mask_stride_b, spec_mask_stride_q, spec_mask_stride_k, num_spec, block_size,
+        head_dim,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_D: tl.constexpr, TILE: tl.constexpr, CAUSAL: tl.constexpr,
         HAS_SPEC_MASK: tl.constexpr, HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
@@ -104,6 +108,7 @@ def unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     first_spec = seq_len - num_spec
     bt_row = block_table_ptr + req.to(tl.int64) * block_table_stride
+    mask_row = spec_mask_ptr + req.to(tl.int64) * spec_mask_stride_b  # stride 0: shared
 
     for tile_start in range(0, kv_end, TILE):
         k_pos = tile_start + tl.arange(0, TILE)  # [TILE]
@@ -133,7 +138,7 @@ def unified_attention_kernel(
             qi = q_pos - first_spec
             kj = k_pos - first_spec
             in_spec = (qi[:, None] >= 0) & (kj[None, :] >= 0)
-            allowed = tl.load(spec_mask_ptr
+            allowed = tl.load(mask_row
                               + tl.minimum(tl.maximum(qi, 0), num_spec - 1)[:, None]
                               * spec_mask_stride_q
                               + tl.minimum(tl.maximum(kj, 0), num_spec - 1)[None, :]
@@ -220,10 +225,10 @@ def check_attention_args(query: torch.Tensor, cache: LayerKVCache,
         raise ValueError(f"block_table must be 2-D with contiguous rows, got shape "
                          f"{list(common.block_table.shape)} strides {common.block_table.stride()}")
     mask = common.spec_mask
-    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 2
-                             or mask.shape[0] != mask.shape[1] or mask.shape[0] == 0):
-        raise ValueError(f"spec_mask must be a non-empty square bool tensor, got {mask.dtype} "
-                         f"of shape {list(mask.shape)}")
+    # Its dtype and shapes were checked when the metadata was built (check_spec_mask).
+    if mask is not None and mask.device != query.device:
+        raise ValueError(f"spec_mask of shape {list(mask.shape)} is on {mask.device}, "
+                         f"query on {query.device}")
     for name, scale in (("k_scale", cache.k_scale), ("v_scale", cache.v_scale)):
         if scale is not None and (scale.dtype != torch.float32 or scale.dim() != 1
                                   or scale.shape[0] not in (1, num_kv_heads)):
@@ -259,9 +264,10 @@ def unified_attention(query: torch.Tensor, cache: LayerKVCache, common: CommonAt
         common.block_table.stride(0), common.block_table.shape[1],
         0 if k_scale is None or k_scale.shape[0] == 1 else 1,
         0 if v_scale is None or v_scale.shape[0] == 1 else 1,
-        0 if spec_mask is None else spec_u8.stride(0),
-        0 if spec_mask is None else spec_u8.stride(1),
-        0 if spec_mask is None else spec_mask.shape[0],
+        0 if spec_mask is None or spec_mask.dim() == 2 else spec_u8.stride(0),
+        0 if spec_mask is None else spec_u8.stride(-2),
+        0 if spec_mask is None else spec_u8.stride(-1),
+        0 if spec_mask is None else spec_mask.shape[-1],
         cache.block_size, head_dim,
         GROUP=group, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_D=cfg.block_d,
         TILE=cfg.tile_n, CAUSAL=common.causal, HAS_SPEC_MASK=spec_mask is not None,
