@@ -34,8 +34,9 @@ SYSTEM_LABELS = {"target_only": "rocdraft target-only", "speculative": "rocdraft
                  "hf_prompt_lookup": f"transformers prompt lookup ({PROMPT_LOOKUP_TOKENS})"}
 
 
-def add_bench_parser(sub, add_model_args) -> None:
-    bench = sub.add_parser("bench", help="benchmark speculative vs target-only decoding")
+def add_bench_args(bench) -> None:
+    from rocdraft.cli_options import add_model_args
+
     add_model_args(bench)
     bench.add_argument("--prompts-file", help="one prompt per line (.jsonl: JSON strings)")
     bench.add_argument("--num-prompts", type=int, default=8,
@@ -68,7 +69,7 @@ def _progress(done: int, total: int, label: str) -> None:
 
 def _prompt_pool(args, tokenizer, needed: int) -> list[list[int]]:
     """Prompt token ids (rocdraft's tokenizer): the prompts file, or held-out code."""
-    from rocdraft.cli import read_prompts_file
+    from rocdraft.cli_options import read_prompts_file
     from rocdraft.errors import RocdraftError
 
     if args.prompts_file:
@@ -153,7 +154,7 @@ def _check_args(args) -> list[int]:
 def _run_bench(args) -> int:
     import torch
 
-    from rocdraft.cli import make_llm
+    from rocdraft.cli_options import make_llm
     from rocdraft.config import SamplingParams
     from rocdraft.errors import RocdraftError
 

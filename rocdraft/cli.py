@@ -1,85 +1,58 @@
-"""``rocdraft``: generate, backends, bench. User errors print one line to stderr, exit 2;
-Ctrl-C prints ``rocdraft: interrupted`` and exits 130."""
+"""``rocdraft``: generate, backends, bench, serve, bench-serve. User errors print one line to
+stderr, exit 2; Ctrl-C prints ``rocdraft: interrupted`` and exits 130.
+
+Each subcommand's flags and run live in one module (``COMMANDS``), imported only when that
+subcommand runs; the model flags they share live in rocdraft/cli_options.py."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
-import os
 import re
 import sys
 import time
+from dataclasses import dataclass
+
+from rocdraft.cli_options import (CliParser, add_model_args, make_llm, prepare_environment,
+                                  read_prompts_file)
 
 
-def _prepare_environment() -> None:
-    """On a machine without a GPU, Triton kernels can only run in the interpreter; it must be
-    switched on before any kernel module is imported."""
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model directory (default: the built-in pair)")
-    p.add_argument("--draft", help="EAGLE head directory (default: the built-in pair's)")
-    p.add_argument("--method", choices=("none", "eagle", "eagle3"), default=None,
-                   help="speculative method (default: eagle3 with the built-in pair, "
-                        "none with --target and no --draft)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--max-draft-tokens-per-step", type=int, default=None,
-                   help="cap on drafts verified per step over the batch: each request "
-                        "verifies min(k, cap // batch size) (default: no cap)")
-    from rocdraft.config import DRAFT_POLICIES
-
-    p.add_argument("--draft-policy", choices=DRAFT_POLICIES, default=None,
-                   help="drafts verified per step: 'cost' picks the count that maximises "
-                        "expected tokens/s from measured costs and acceptance (the default), "
-                        "'fixed' always --num-speculative-tokens")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="default: float32 on the CPU, bfloat16 on a GPU")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="KV-cache block size (FLASH_ATTN needs a multiple of 256)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--draft-attention-backend", default=None)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="never capture the draft loop in a CUDA/HIP graph")
-    size = p.add_argument_group("KV cache and batch sizing (the LLM arguments of the same name)")
-    size.add_argument("--max-num-seqs", type=int, default=None,
-                      help="requests running at once (default 64)")
-    size.add_argument("--max-model-len", type=int, default=None,
-                      help="longest prompt + output in tokens (default: the model's "
-                           "max_position_embeddings)")
-    size.add_argument("--max-num-batched-tokens", type=int, default=None,
-                      help="tokens per step, prefill chunks included (default 2048)")
-    size.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
-                      help="memory for the target's and the draft head's KV caches together, "
-                           "e.g. 2GiB, 512MB, 1.5G, 1e9 (default: what --max-num-seqs x "
-                           "--max-model-len needs, at most 256 MiB on the CPU, 0.9 of the "
-                           "free memory on a GPU)")
-    size.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
-                      help="GPUs only: the fraction (0, 1] of the GPU memory free after the "
-                           "target loads that the KV caches may take")
-    size.add_argument("--num-kv-blocks", type=int, default=None,
-                      help="exact number of KV-cache blocks (instead of a memory budget)")
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: where its ``add_args(parser)`` and ``run(args) -> int`` live. Its module
+    is imported only when that subcommand runs, so ``rocdraft generate`` never loads the server
+    (nor needs the serve extra)."""
+    help: str
+    module: str | None  # None: this module
+    add_args: str
+    run: str
+    needs: tuple[str, ...] = ()  # third-party modules of an extra it cannot run without
+    extra: str | None = None
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors in the CLI's one-line format (subparsers inherit it)."""
+COMMANDS = {
+    "generate": Command("generate completions", None, "add_generate_args", "run_generate"),
+    "backends": Command("list attention backends and their capabilities", None,
+                        "add_backends_args", "run_backends"),
+    "bench": Command("benchmark speculative vs target-only decoding", "rocdraft.bench_cli",
+                     "add_bench_args", "run_bench"),
+    "serve": Command("serve the OpenAI completions and chat API over HTTP (needs the serve "
+                     "extra)", "rocdraft.serve.command", "add_serve_args", "run_serve",
+                     needs=("fastapi", "uvicorn"), extra="serve"),
+    "bench-serve": Command("benchmark rocdraft serve (target-only, then speculative) with "
+                           "concurrent streaming clients (needs the serve extra)",
+                           "rocdraft.serve_bench", "add_bench_serve_args", "run_bench_serve",
+                           needs=("httpx", "fastapi", "uvicorn"), extra="serve"),
+}
 
-    def error(self, message: str):
-        self.exit(2, f"rocdraft: error: {message}\n")
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="rocdraft", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate completions")
+def add_generate_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("prompts", nargs="*", metavar="PROMPT")
     gen.add_argument("--prompts-file", help="one prompt per line (.jsonl: one JSON string)")
     gen.add_argument("--prompt-ids", action="append", default=[],
                      help="comma-separated token ids (bypasses the tokenizer); may repeat")
-    _add_model_args(gen)
+    add_model_args(gen)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -87,12 +60,51 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true")
-    back = sub.add_parser("backends", help="list attention backends and their capabilities")
-    back.add_argument("--json", action="store_true")
-    from rocdraft.bench_cli import add_bench_parser
 
-    add_bench_parser(sub, _add_model_args)
+
+def add_backends_args(back: argparse.ArgumentParser) -> None:
+    back.add_argument("--json", action="store_true")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand listed; only ``command``'s own flags are added (its
+    module imported), the others are never parsed. Raises RocdraftError when ``command``
+    needs an extra that is not installed."""
+    parser = CliParser(prog="rocdraft", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        if name == command:
+            getattr(_command_module(name), cmd.add_args)(p)
     return parser
+
+
+def _command_module(name: str):
+    """The module holding ``name``'s add_args and run, imported now."""
+    cmd = COMMANDS[name]
+    if cmd.module is None:
+        return sys.modules[__name__]
+    from rocdraft.errors import RocdraftError
+
+    missing = [m for m in cmd.needs if importlib.util.find_spec(m) is None]
+    try:
+        if not missing:
+            return importlib.import_module(cmd.module)
+    except ModuleNotFoundError as exc:
+        if exc.name and f"{cmd.module}.".startswith(f"{exc.name}."):  # this install lacks the module
+            raise RocdraftError(f"rocdraft {name} is not part of this install (no module "
+                                f"{exc.name})") from None
+        if exc.name is None or exc.name.split(".")[0] == "rocdraft":
+            raise
+        missing = [exc.name]
+    raise RocdraftError(f"rocdraft {name} needs {', '.join(missing)}: "
+                        f"pip install 'rocdraft[{cmd.extra}]'")
+
+
+def _command_of(argv: list[str] | None) -> str | None:
+    """The subcommand argv names (top-level flags come only alone: -h), else None."""
+    argv = sys.argv[1:] if argv is None else argv
+    return argv[0] if argv and argv[0] in COMMANDS else None
 
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a Ctrl-C
@@ -107,52 +119,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    _prepare_environment()
+    prepare_environment()
     from rocdraft.errors import RocdraftError
 
-    args = build_parser().parse_args(argv)
     try:
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "backends":
-            return _backends(args)
-        from rocdraft.bench_cli import run_bench
-
-        return run_bench(args)
+        command = _command_of(argv)
+        args = build_parser(command).parse_args(argv)
+        return getattr(_command_module(args.command), COMMANDS[args.command].run)(args)
     except (RocdraftError, ValueError, FileNotFoundError, NotADirectoryError,
             PermissionError, UnicodeDecodeError) as exc:
         # One line, even when a library's message spans several.
         message = re.sub(r"\s*\n\s*", " ", str(exc).strip())
         print(f"rocdraft: error: {message}", file=sys.stderr)
         return 2
-
-
-def read_prompts_file(path: str) -> list[str]:
-    from rocdraft.errors import RocdraftError
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.rstrip("\n") for line in f]
-    except OSError as exc:
-        raise RocdraftError(f"cannot read prompts file {path!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise RocdraftError(f"prompts file {path!r} is not UTF-8 text ({exc.reason} at byte "
-                            f"{exc.start})") from None
-    lines = [line for line in lines if line.strip()]
-    if not lines:
-        raise RocdraftError(f"prompts file {path!r} is empty")
-    if path.endswith(".jsonl"):
-        prompts = []
-        for number, line in enumerate(lines, 1):
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RocdraftError(f"{path}:{number}: not JSON ({exc.msg})") from None
-            if not isinstance(value, str):
-                raise RocdraftError(f"{path}:{number}: expected a JSON string")
-            prompts.append(value)
-        return prompts
-    return lines
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -165,65 +144,7 @@ def _parse_ids(text: str) -> list[int]:
                             f"integers") from None
 
 
-def make_llm(args):
-    """Build an LLM from the shared model flags (built-in pair by default)."""
-    from rocdraft.builtin import builtin_paths, require_builtin
-    from rocdraft.config import SpeculativeConfig
-    from rocdraft.engine import LLM
-    from rocdraft.errors import RocdraftError
-
-    target, draft, method = args.target, args.draft, args.method
-    if target is None:
-        pair = builtin_paths()
-        target = require_builtin(pair.target)
-        method = method or "eagle3"
-        if method != "none" and draft is None:
-            draft = require_builtin(pair.eagle3 if method == "eagle3" else pair.eagle1)
-    if method is None and draft:
-        method = _head_method(draft)
-    method = method or "none"
-    if method == "none" and args.draft:
-        raise RocdraftError("--draft was given with --method none; drop one of them")
-    if method != "none" and not draft:
-        raise RocdraftError(f"--method {method} needs --draft DIR (an EAGLE head directory)")
-    spec = None
-    if method != "none":
-        policy = {"draft_policy": args.draft_policy} if args.draft_policy else {}
-        spec = SpeculativeConfig(method=method, num_speculative_tokens=args.num_speculative_tokens,
-                                 enforce_eager=args.enforce_eager,
-                                 max_draft_tokens_per_step=args.max_draft_tokens_per_step,
-                                 **policy)
-    import torch
-
-    on_gpu = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
-    args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
-    llm = LLM(target, draft=draft if spec else None, speculative_config=spec, dtype=args.dtype,
-              device=args.device, attention_backend=args.attention_backend,
-              draft_attention_backend=args.draft_attention_backend, block_size=args.block_size,
-              **sizing_kwargs(args))
-    return llm, method
-
-
-SIZING_FLAGS = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_memory",
-                "gpu_memory_utilization", "num_kv_blocks")
-
-
-def sizing_kwargs(args) -> dict:
-    """The sizing flags that were given, as LLM keyword arguments (the others keep LLM's
-    defaults): --max-num-seqs 8 -> {"max_num_seqs": 8}."""
-    return {name: getattr(args, name) for name in SIZING_FLAGS
-            if getattr(args, name, None) is not None}
-
-
-def _head_method(draft: str) -> str:
-    """The speculative method of a head directory, from its weight keys."""
-    from rocdraft.models.draft_loader import EAGLE3, detect_format
-    from rocdraft.models.weights import load_state_dict
-
-    return "eagle3" if detect_format(load_state_dict(draft).keys()) == EAGLE3 else "eagle"
-
-
-def _generate(args) -> int:
+def run_generate(args) -> int:
     from rocdraft.config import SamplingParams
     from rocdraft.errors import RocdraftError
 
@@ -282,7 +203,7 @@ def _exit_code(outputs) -> int:
     return 1 if all(o.finish_reason == "error" for o in outputs) else 0
 
 
-def _backends(args) -> int:
+def run_backends(args) -> int:
     from rocdraft.backends_report import backends_report, format_backends_report
 
     report = backends_report()

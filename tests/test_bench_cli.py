@@ -185,12 +185,12 @@ def test_plot_without_matplotlib_names_the_extra(capsys, pair, monkeypatch, tmp_
 ])
 def test_bench_bad_sampling_values_fail_before_loading(capsys, pair, args, fragment,
                                                        monkeypatch):
-    import rocdraft.cli
+    import rocdraft.cli_options
 
     def no_loading(args):
         raise AssertionError("models were loaded before the sampling values were checked")
 
-    monkeypatch.setattr(rocdraft.cli, "make_llm", no_loading)
+    monkeypatch.setattr(rocdraft.cli_options, "make_llm", no_loading)
     rc, out, err = bench(capsys, pair, *args)
     assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
 
@@ -200,12 +200,12 @@ def test_bench_bad_sampling_values_fail_before_loading(capsys, pair, args, fragm
 def test_bad_plot_path_fails_before_loading(capsys, pair, tmp_path, monkeypatch, name,
                                             fragment):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
-    import rocdraft.cli
+    import rocdraft.cli_options
 
     def no_loading(args):
         raise AssertionError("models were loaded before --plot was checked")
 
-    monkeypatch.setattr(rocdraft.cli, "make_llm", no_loading)
+    monkeypatch.setattr(rocdraft.cli_options, "make_llm", no_loading)
     rc, out, err = bench(capsys, pair, "--plot", str(tmp_path / name))
     assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
 

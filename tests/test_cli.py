@@ -584,6 +584,54 @@ def test_backends_json_with_env(capsys, monkeypatch):
     assert "selected now: TORCH_SDPA (ROCDRAFT_ATTENTION_BACKEND=TORCH_SDPA)" in out
 
 
+# --- subcommands in their own modules --------------------------------------------------------
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("generate", "backends", "bench", "serve", "bench-serve"):
+        assert f"    {name} " in out, out
+
+
+@pytest.mark.parametrize("command, module", [("serve", "fastapi"), ("bench-serve", "httpx")])
+def test_a_missing_extra_is_one_line_naming_it(capsys, monkeypatch, command, module):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == module else real(name, *a))
+    line = assert_user_error(*run_cli(capsys, command, "--port", "1"), f"rocdraft {command} needs",
+                             module, "pip install 'rocdraft[serve]'")
+    assert "Traceback" not in line
+
+
+def test_a_command_whose_module_is_absent_is_one_line(capsys, monkeypatch):
+    import dataclasses
+
+    import rocdraft.cli
+
+    absent = dataclasses.replace(rocdraft.cli.COMMANDS["serve"], module="rocdraft.absent.command",
+                                 needs=())
+    monkeypatch.setitem(rocdraft.cli.COMMANDS, "serve", absent)
+    assert_user_error(*run_cli(capsys, "serve"), "rocdraft serve is not part of this install",
+                      "rocdraft.absent")
+
+
+def test_serve_takes_the_model_flags(capsys):
+    """``rocdraft serve``'s flags come from rocdraft/serve/command.py and cli_options."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn")):
+        pytest.skip("the serve extra (fastapi, uvicorn) is not installed")
+    from rocdraft.cli import build_parser
+
+    args = build_parser("serve").parse_args(["serve", "--port", "8123", "--target", "/t",
+                                             "--num-speculative-tokens", "2"])
+    assert (args.port, args.target, args.num_speculative_tokens) == (8123, "/t", 2)
+
+
 # --- entry points --------------------------------------------------------------------------
 
 def _console_script() -> str:

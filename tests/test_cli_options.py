@@ -1,0 +1,102 @@
+"""The flags every model-running subcommand shares, and what they become: LLM keyword arguments
+(method, head, speculative config, dtype, sizing) and prompts read from a file."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from checkpoints import write_eagle1_head, write_eagle3_head, write_tiny_llama
+from rocdraft.cli_options import (CliParser, add_model_args, make_llm_kwargs, read_prompts_file,
+                                  resolve_method, sizing_kwargs)
+from rocdraft.config import SpeculativeConfig
+from rocdraft.errors import RocdraftError
+
+
+def parse(*argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    return parser.parse_args([str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_options")
+    target = write_tiny_llama(root / "t", kind="deep")
+    return {"target": str(target), "eagle3": str(write_eagle3_head(root / "e3", target)),
+            "eagle1": str(write_eagle1_head(root / "e1", target))}
+
+
+def test_defaults_leave_every_choice_to_the_llm():
+    args = parse()
+    assert (args.target, args.draft, args.method, args.dtype) == (None, None, None, None)
+    assert args.num_speculative_tokens == 4 and args.block_size == 16
+    assert sizing_kwargs(args) == {}
+
+
+def test_sizing_flags_that_were_given():
+    args = parse("--max-num-seqs", 8, "--kv-cache-memory", "1GiB", "--num-kv-blocks", 40)
+    assert sizing_kwargs(args) == {"max_num_seqs": 8, "kv_cache_memory": "1GiB",
+                                   "num_kv_blocks": 40}
+
+
+def test_kwargs_for_a_head_read_its_method(ckpt):
+    args = parse("--target", ckpt["target"], "--draft", ckpt["eagle3"], "--num-speculative-tokens",
+                 2, "--draft-policy", "fixed", "--max-model-len", 128, "--device", "cpu")
+    kwargs = make_llm_kwargs(args)
+    spec = kwargs.pop("speculative_config")
+    assert isinstance(spec, SpeculativeConfig)
+    assert (spec.method, spec.num_speculative_tokens, spec.draft_policy) == ("eagle3", 2, "fixed")
+    assert kwargs == {"method": "eagle3", "target": ckpt["target"], "draft": ckpt["eagle3"],
+                      "dtype": "float32", "device": "cpu", "attention_backend": None,
+                      "draft_attention_backend": None, "block_size": 16, "max_model_len": 128}
+    assert args.dtype == "float32"  # filled in for the reports
+    assert resolve_method(parse("--target", ckpt["target"], "--draft", ckpt["eagle1"]))[2] == \
+        "eagle"
+
+
+def test_target_alone_runs_without_speculation(ckpt):
+    kwargs = make_llm_kwargs(parse("--target", ckpt["target"], "--dtype", "float16"))
+    assert (kwargs["method"], kwargs["draft"], kwargs["speculative_config"]) == ("none", None,
+                                                                                 None)
+    assert kwargs["dtype"] == "float16"
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--draft", "HEAD", "--method", "none"], "--draft was given with --method none"),
+    (["--method", "eagle3"], "--method eagle3 needs --draft DIR"),
+])
+def test_inconsistent_flags(ckpt, argv, fragment):
+    argv = [a.replace("HEAD", ckpt["eagle3"]) for a in argv]
+    with pytest.raises(RocdraftError, match=fragment):
+        resolve_method(parse("--target", ckpt["target"], *argv))
+
+
+def test_read_prompts_file(tmp_path):
+    plain = tmp_path / "p.txt"
+    plain.write_text("first\n\n  \nsecond line\n")
+    assert read_prompts_file(str(plain)) == ["first", "second line"]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('"a\\nb"\n"c"\n')
+    assert read_prompts_file(str(jsonl)) == ["a\nb", "c"]
+    for name, text, fragment in (("e.txt", "\n \n", "is empty"),
+                                 ("n.jsonl", '"a"\n{"x": 1}\n', "n.jsonl:2: expected a JSON"),
+                                 ("b.jsonl", "nope\n", "b.jsonl:1: not JSON")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(RocdraftError, match=fragment):
+            read_prompts_file(str(tmp_path / name))
+    with pytest.raises(RocdraftError, match="cannot read prompts file"):
+        read_prompts_file(str(tmp_path / "missing.txt"))
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(RocdraftError, match="not UTF-8"):
+        read_prompts_file(str(tmp_path / "latin.txt"))
+
+
+def test_usage_errors_are_one_line(capsys):
+    parser = CliParser(prog="rocdraft")
+    add_model_args(parser)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--method", "medusa"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rocdraft: error: argument --method") and err.count("\n") == 1
