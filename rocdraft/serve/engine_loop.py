@@ -1,0 +1,264 @@
+"""The one background loop that drives the engine, and how HTTP handlers talk to it.
+
+Why a thread (not an asyncio task): ``LLMEngine.step`` is seconds of blocking torch work at
+worst (a long prefill on the CPU); run on the event loop it would stall every connection, the
+streams already running included, and /health. The engine is not thread-safe, so exactly one
+thread, this loop's, calls ``add_request``/``abort_request``/``step``. Handlers run on the
+event loop and never touch the engine:
+
+    handler --submit/abort--> command queue (queue.SimpleQueue, thread-safe)
+    engine thread: drain commands -> engine.step() -> detokenize, stop strings -> events
+    events --loop.call_soon_threadsafe--> the HTTP request's asyncio.Queue --> handler
+
+Between steps the thread applies every queued command, so requests join and leave the batch
+between any two steps; with nothing to run it blocks on the queue (no polling). Text is
+decoded in this thread too (``TextStream``): a stop string then aborts the request before the
+next step, so no tokens are generated past it.
+
+Events, in order, for each submitted request: ``Accepted`` or ``Rejected`` (add_request
+raised: a 400 naming the value; the engine is unchanged), then ``Delta``s, the last with
+``finish_reason`` set. A request aborted by its handler (client gone) gets no more events.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rocdraft.serve.detokenize import TextStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    index: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    index: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # None while running
+    prompt_tokens: int
+    completion_tokens: int
+    num_verify_steps: int
+    num_accepted_drafts: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Engine state published after every step (read by /metrics and the 503 check)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    generated_tokens: int = 0
+    num_verify_steps: int = 0
+    num_accepted_drafts: int = 0
+    accepted_at_position: tuple[int, ...] = ()
+    proposed_at_position: tuple[int, ...] = ()
+    num_preemptions: int = 0
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread state of one request."""
+
+    index: int
+    sink: Callable
+    stream: TextStream | None  # None: the target has no tokenizer (token ids only)
+    arrival: float
+    prompt_tokens: int = 0
+    first_token: float | None = None
+    last_output: float | None = None
+    tokens: list[int] = field(default_factory=list)
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics=None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="rocdraft-engine", daemon=True)
+        self.snapshot = self._take_snapshot()
+        self.running = False
+        self.error: str | None = None  # why the loop died, if it did
+
+    # --- called from the event loop -----------------------------------------------------------
+
+    def start(self) -> None:
+        self.running = True
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort whatever is still in flight and end the thread."""
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+        self.running = False
+
+    @property
+    def alive(self) -> bool:
+        return self.running and self._thread.is_alive()
+
+    def submit(self, request_id: str, index: int, prompt, params, stop: tuple[str, ...],
+               events: asyncio.Queue) -> None:
+        """Queue a request; its events go to ``events`` (on the calling event loop)."""
+        loop = asyncio.get_running_loop()
+
+        def sink(event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+
+        self._commands.put(("add", request_id, index, prompt, params, stop, sink,
+                            time.perf_counter()))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._apply_commands(block=idle):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self.snapshot = self._take_snapshot()
+        except BaseException as exc:  # the loop must never die silently
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine loop stopped")
+            self._fail_all(self.error)
+        finally:
+            self._abort_all()
+            self.running = False
+            self.snapshot = self._take_snapshot()
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one when ``block``); False on "stop"."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            kind = command[0]
+            if kind == "stop":
+                return False
+            if kind == "abort":
+                if self._tracked.pop(command[1], None) is not None:
+                    self.engine.abort_request(command[1])
+                    self._count_finish("abort")
+            else:
+                self._add(*command[1:])
+
+    def _add(self, request_id, index, prompt, params, stop, sink, arrival) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except ValueError as exc:  # RocdraftError and kin: the request is refused alone
+            sink(Rejected(index, str(exc)))
+            return
+        tokenizer = self.engine.tokenizer
+        self._tracked[request_id] = _Tracked(
+            index, sink, TextStream(tokenizer, stop) if tokenizer is not None else None, arrival)
+        sink(Accepted(index))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a failed step ends the requests in it, not the server
+            log.exception("engine step failed")
+            self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            return
+        now = time.perf_counter()
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is not None:
+                self._deliver(out, tracked, now)
+
+    def _deliver(self, out, tracked: _Tracked, now: float) -> None:
+        new = list(out.new_token_ids)
+        tracked.tokens.extend(new)
+        tracked.prompt_tokens = tracked.prompt_tokens or len(out.prompt_token_ids)
+        text = tracked.stream.push(new) if tracked.stream is not None else ""
+        stopped = tracked.stream is not None and tracked.stream.stopped
+        if stopped and not out.finished:
+            self.engine.abort_request(out.request_id)
+        reason = "stop" if stopped else out.finish_reason if out.finished else None
+        if reason is not None and tracked.stream is not None:
+            text += tracked.stream.finish()
+        if self.metrics is not None and new:
+            if tracked.first_token is None:
+                self.metrics.observe_ttft(now - tracked.arrival)
+            elif tracked.last_output is not None:
+                self.metrics.observe_itl((now - tracked.last_output) / len(new))
+        if new:
+            tracked.first_token = tracked.first_token or now
+            tracked.last_output = now
+        if not new and reason is None:
+            return
+        tracked.sink(Delta(tracked.index, text, new, reason, tracked.prompt_tokens,
+                           len(tracked.tokens), out.num_verify_steps, out.num_accepted_drafts,
+                           out.error))
+        if reason is not None:
+            self._tracked.pop(out.request_id, None)
+            self._count_finish(reason, tracked, now, out)
+
+    def _count_finish(self, reason: str, tracked: _Tracked | None = None,
+                      now: float | None = None, out=None) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.count_finished(reason)
+        if tracked is not None:
+            self.metrics.observe_request(now - tracked.arrival, tracked.prompt_tokens,
+                                         len(tracked.tokens), out.num_verify_steps,
+                                         out.num_accepted_drafts)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, tracked in list(self._tracked.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine is already broken; the client still hears why
+                log.exception("abort of %s failed", request_id)
+            tracked.sink(Delta(tracked.index, "", [], "error", tracked.prompt_tokens,
+                               len(tracked.tokens), 0, 0, message))
+            self._count_finish("error")
+        self._tracked.clear()
+
+    def _abort_all(self) -> None:
+        for request_id, tracked in list(self._tracked.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort of %s failed", request_id)
+            tracked.sink(Delta(tracked.index, "", [], "abort", tracked.prompt_tokens,
+                               len(tracked.tokens), 0, 0, "the server is shutting down"))
+            self._count_finish("abort")
+        self._tracked.clear()
+
+    def _take_snapshot(self) -> Snapshot:
+        engine = self.engine
+        stats = engine.stats
+        return Snapshot(engine.num_running, engine.num_waiting, engine.num_free_blocks,
+                        engine.num_blocks, stats.generated_tokens, stats.num_verify_steps,
+                        stats.num_accepted_drafts, tuple(stats.accepted_at_position),
+                        tuple(stats.proposed_at_position), stats.num_preemptions)

@@ -1,0 +1,315 @@
+"""A live ``rocdraft serve`` (the built-in pair, real uvicorn on a free port in a thread)
+driven by the official ``openai`` client, checked against ``LLM.generate`` token for token;
+errors, disconnects, the API key, /metrics, and graceful shutdown of a server process."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from rocdraft.builtin import builtin_paths  # noqa: E402
+from rocdraft.config import SamplingParams, SpeculativeConfig  # noqa: E402
+from rocdraft.engine import LLM  # noqa: E402
+from rocdraft.serve.app import ServeSettings, chat_renderer  # noqa: E402
+from rocdraft.serve.command import make_server  # noqa: E402
+
+KEY = "test-key"
+MODEL = "builtin-chat"
+MAX_TOKENS = 16
+PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n    def", "for i in range(10):"]
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}### {{ m.role }}:\n{{ m.content }}\n"
+            "{% endfor %}{% if add_generation_prompt %}### assistant:\n{% endif %}")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def target_with_template(tmp_path_factory):
+    """The built-in target with a small chat template in its tokenizer_config.json."""
+    src = builtin_paths().target
+    dst = tmp_path_factory.mktemp("target")
+    for name in os.listdir(src):
+        if name != "tokenizer_config.json":
+            os.symlink(os.path.join(src, name), dst / name)
+    with open(os.path.join(src, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    config["chat_template"] = TEMPLATE
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def server(target_with_template):
+    """(base url, engine, reference outputs): the engine is an LLM so the references come from
+    its own ``generate`` before it starts serving."""
+    llm = LLM(target_with_template, builtin_paths().eagle3,
+              speculative_config=SpeculativeConfig(method="eagle3", num_speculative_tokens=3,
+                                                   draft_policy="fixed"),
+              max_model_len=256, max_num_seqs=16)
+    settings = ServeSettings(model_name=MODEL, max_model_len=llm.max_model_len,
+                             max_num_seqs=16, max_waiting_requests=0, api_key=KEY,
+                             chat_template=llm.tokenizer.chat_template,
+                             special_tokens=llm.tokenizer.special_tokens)
+    chat_prompt = chat_renderer(settings)([{"role": "user", "content": "Write a loop."}])
+    concurrent = [f"x{i} = {i} *" for i in range(16)]
+    refs = llm.generate(PROMPTS + [chat_prompt] + concurrent, GREEDY)
+    reference = {"prompts": refs[:len(PROMPTS)], "chat": refs[len(PROMPTS)],
+                 "concurrent": refs[len(PROMPTS) + 1:], "concurrent_prompts": concurrent}
+    port = free_port()
+    srv = make_server(llm, settings, "127.0.0.1", port, shutdown_timeout=5,
+                      log_level="warning")
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{port}", llm, reference
+    srv.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def wait_blocks_free(llm, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (llm.num_free_blocks != llm.num_blocks or llm.has_unfinished_requests()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert llm.num_free_blocks == llm.num_blocks and not llm.has_unfinished_requests()
+
+
+def ids_body():
+    return {"return_token_ids": True}
+
+
+def test_completions_equal_generate(server, client):
+    _, _, ref = server
+    for prompt, expected in zip(PROMPTS, ref["prompts"]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body=ids_body())
+        choice = r.choices[0]
+        assert choice.token_ids == expected.token_ids
+        assert choice.text == expected.text
+        assert r.usage.completion_tokens == len(expected.token_ids)
+        assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+        assert r.rocdraft["acceptance_length"] >= 1.0  # speculation ran
+
+
+def test_streaming_completion_equals_generate(server, client):
+    _, _, ref = server
+    expected = ref["prompts"][0]
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body=ids_body())
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in content) == expected.text
+    assert [t for c in content for t in c.choices[0].token_ids] == expected.token_ids
+    assert content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert chunks[-1].rocdraft["acceptance_length"] >= 1.0
+
+
+def test_chat_equals_generate_streaming_and_not(server, client):
+    _, _, ref = server
+    messages = [{"role": "user", "content": "Write a loop."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                       temperature=0)
+    assert r.choices[0].message.content == ref["chat"].text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ref["chat"].prompt_token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages,
+                                            max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == ref["chat"].text
+
+
+def test_sixteen_concurrent_clients_get_their_own_outputs(server, client):
+    _, llm, ref = server
+
+    def one(i):
+        prompt = ref["concurrent_prompts"][i]
+        if i % 2:
+            stream = client.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                               max_tokens=MAX_TOKENS, temperature=0,
+                                               extra_body=ids_body())
+            return [t for c in stream if c.choices for t in c.choices[0].token_ids]
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body=ids_body())
+        return r.choices[0].token_ids
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, range(16)))
+    assert got == [r.token_ids for r in ref["concurrent"]]
+    wait_blocks_free(llm)
+
+
+def test_error_statuses_and_the_server_keeps_serving(server, client):
+    url, llm, ref = server
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="a", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model=MODEL, prompt="a", n=2)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=MODEL, prompt=[5] * 300, max_tokens=1)
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        client.completions.create(model="gpt-9", prompt="a")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "a"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url + "/nowhere").json()["error"]["code"] == "not_found"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                  temperature=0, extra_body=ids_body())
+    assert r.choices[0].token_ids == ref["prompts"][1].token_ids
+    wait_blocks_free(llm)
+
+
+def test_full_queue_503_then_disconnects_free_every_block(server, client):
+    """16 streams fill max_num_seqs (no waiting allowed): a 17th request gets 503; the
+    clients then hang up mid-stream and every KV block comes back."""
+    url, llm, ref = server
+    generated = llm.stats.generated_tokens
+    headers = {"Authorization": f"Bearer {KEY}"}
+    http = httpx.Client(base_url=url, headers=headers, timeout=60)
+    streams, opened = [], []
+    try:
+        for i in range(16):
+            s = http.stream("POST", "/v1/completions", json={
+                "prompt": f"y{i} =", "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True})
+            response = s.__enter__()
+            streams.append(s)
+            lines = response.iter_lines()
+            opened.append(lines)  # dropping the iterator would close the connection
+            while not next(lines).startswith("data: "):
+                pass
+        assert llm.num_free_blocks < llm.num_blocks
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model=MODEL, prompt="a", max_tokens=1)
+        assert info.value.status_code == 503
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)
+        http.close()
+    wait_blocks_free(llm)
+    assert llm.stats.generated_tokens - generated < 16 * 200  # aborted, not run to the end
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=MAX_TOKENS,
+                                  temperature=0, extra_body=ids_body())
+    assert r.choices[0].token_ids == ref["prompts"][2].token_ids
+
+
+def test_openai_stream_closed_mid_way_aborts(server, client):
+    _, llm, _ = server
+    generated = llm.stats.generated_tokens
+    stream = client.completions.create(model=MODEL, prompt="while True:", max_tokens=200,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    assert first.choices[0].finish_reason is None
+    stream.close()
+    wait_blocks_free(llm)
+    assert llm.stats.generated_tokens - generated < 200  # aborted, not run to the end
+
+
+def test_non_streaming_client_gone_aborts(server):
+    url, llm, _ = server
+    generated = llm.stats.generated_tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", timeout=httpx.Timeout(5, read=0.3),
+                   headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "x =", "max_tokens": 200, "ignore_eos": True})
+    wait_blocks_free(llm)
+    assert llm.stats.generated_tokens - generated < 200
+
+
+def test_metrics_parse_and_move(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = server[0]
+
+    def scrape() -> dict:
+        samples = {}
+        for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+            for s in family.samples:
+                key = s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items())
+                                       if k != "model_name")
+                samples[key] = s.value
+        return samples
+
+    before = scrape()
+    client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=MAX_TOKENS,
+                              temperature=0)
+    after = scrape()
+    assert after["rocdraft_generation_tokens_total"] - \
+        before["rocdraft_generation_tokens_total"] == MAX_TOKENS
+    assert after["rocdraft_requests_total,finish_reason=length"] == \
+        before["rocdraft_requests_total,finish_reason=length"] + 1
+    assert after["rocdraft_time_to_first_token_seconds_count"] > \
+        before["rocdraft_time_to_first_token_seconds_count"]
+    assert after["rocdraft_verify_steps_total"] > before["rocdraft_verify_steps_total"]
+    assert after["rocdraft_draft_tokens_proposed_at_position_total,position=0"] > 0
+    assert after["rocdraft_kv_blocks_used"] == 0
+    assert after["rocdraft_kv_blocks_free"] == server[1].num_blocks
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_graceful_shutdown_finishes_in_flight_and_exits_0(sig):
+    port = free_port()
+    env = {**os.environ, "ROCDRAFT_API_KEY": KEY}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rocdraft.serve.command", "--port", str(port),
+         "--max-model-len", "128", "--max-num-seqs", "2", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        assert httpx.post(url + "/v1/completions", json={"prompt": "a"}).status_code == 401
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", headers=headers, timeout=60,
+                          json={"prompt": "def f(x):", "max_tokens": 48, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as response:
+            it = response.iter_lines()
+            lines.append(next(it))
+            proc.send_signal(sig)  # in flight: it is finished, not cut off
+            lines.extend(it)
+        data = [x for x in lines if x.startswith("data: ")]
+        assert data[-1] == "data: [DONE]"
+        assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
