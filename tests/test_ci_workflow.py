@@ -95,14 +95,14 @@ def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
     """(install_requires, extras_require) as written in setup.py."""
     tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
     names = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.List):
-            names[node.targets[0].id] = ast.literal_eval(node.value)
+    evaluate = lambda node: eval(compile(ast.Expression(node), "setup.py", "eval"),  # noqa: E731
+                                 {"__builtins__": {}}, names)
+    for node in tree.body:  # module-level lists, also sums of earlier ones ([...] + SERVE)
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.List, ast.BinOp)):
+            names[node.targets[0].id] = evaluate(node.value)
     call = next(node for node in ast.walk(tree)
                 if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
     keywords = {k.arg: k.value for k in call.keywords}
-    evaluate = lambda node: eval(compile(ast.Expression(node), "setup.py", "eval"),  # noqa: E731
-                                 {"__builtins__": {}}, names)
     return evaluate(keywords["install_requires"]), evaluate(keywords["extras_require"])
 
 
@@ -115,6 +115,14 @@ def test_triton_is_required_only_where_torch_does_not_bring_it():
     assert not any(req.startswith("triton") for req in extras["test-gpu"])
     assert set(extras["test-gpu"]) <= set(extras["test"])
     assert any(req.startswith("actionlint") for req in extras["lint"])
+
+
+def test_the_test_extra_runs_the_server_tests():
+    """CI installs .[test]: the live-server tests need the serve extra and the openai client
+    there, so none of them is skipped."""
+    _, extras = setup_requirements()
+    assert {"fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx"} <= set(extras["serve"])
+    assert set(extras["serve"]) | {"openai"} <= set(extras["test"])
 
 
 def test_hypothesis_profile_follows_ci():
