@@ -37,7 +37,8 @@ import torch.utils.cpp_extension as cpp_extension
 from rocdraft import envs
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-KERNEL_SOURCES = ("kv_write.hip", "draft_step.hip", "padded_drafting.hip", "fp8_convert.hip")
+KERNEL_SOURCES = ("kv_write.hip", "kv_compact.hip", "draft_step.hip", "padded_drafting.hip",
+                  "fp8_convert.hip")
 CPU_SHIM = "rocdraft_cpu_shim"
 GPU_EXT = "rocdraft_hip"
 DEFAULT_ROCM_ARCH = "gfx942"  # only when no device is visible and PYTORCH_ROCM_ARCH is unset

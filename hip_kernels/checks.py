@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from rocdraft.backends.kv_cache import FP8_DTYPES, KV_LAYOUTS, NHD, kv_cache_shapes
+from rocdraft.backends.kv_compact import check_compact_kv as _check_compact_kv_args
 
 KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KV_CACHE_DTYPES = KV_INPUT_DTYPES + FP8_DTYPES
@@ -85,6 +86,16 @@ def check_write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
             raise ValueError(f"{name} has {scale.shape[0]} entries; valid: 1 (per tensor) or "
                              f"num_kv_heads = {num_kv_heads} (per head)")
 
+
+def check_compact_kv(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_table: torch.Tensor, context_lens: torch.Tensor,
+                     accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, layout: str,
+                     block_size: int) -> None:
+    """Caches contiguous in ``layout`` (any cache dtype, copied as raw bytes), block_table
+    int32 [>= B, >= 1] (rows may be strided), context_lens int32 [B], accepted_nodes int64
+    [B, D] (rows may be strided), num_accepted int64 [B]; see backends.kv_compact."""
+    _check_compact_kv_args(key_cache, value_cache, layout, block_table, context_lens,
+                           accepted_nodes, num_accepted, block_size)
 
 def check_advance_draft_step(positions: torch.Tensor, seq_lens: torch.Tensor,
                              block_table: torch.Tensor, clamped_positions: torch.Tensor,

@@ -70,6 +70,17 @@ def write_kv_hip(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
                                        cache.k_scale, cache.v_scale, cache.layout))
 
 
+def compact_kv_hip(cache: LayerKVCache, block_table: torch.Tensor, context_lens: torch.Tensor,
+                   accepted_nodes: torch.Tensor, num_accepted: torch.Tensor,
+                   block_size: int) -> None:
+    """Compact ``cache`` in place after tree verification: block_table [>= B, max_blocks]
+    int32, context_lens [B] int32, accepted_nodes [B, D] int64 (-1 after the path),
+    num_accepted [B] int64. Same contract as backends.kv_compact.compact_kv_reference."""
+    _falling_back(lambda: ops.compact_kv(cache.key, cache.value, block_table, context_lens,
+                                         accepted_nodes, num_accepted, cache.layout,
+                                         block_size))
+
+
 def advance_draft_step_hip_(positions: torch.Tensor, seq_lens: torch.Tensor,
                             block_table: torch.Tensor, clamped_positions_out: torch.Tensor,
                             slot_mapping_out: torch.Tensor, block_size: int,

@@ -4,11 +4,14 @@
 - ``rocdraft::advance_draft_step``: in-place draft-step bookkeeping (mutates positions,
   seq_lens, clamped_positions, slot_mapping);
 - ``rocdraft::prepare_padded_drafting``: fused next-token ids + padded inputs (pure).
+- ``rocdraft::compact_kv``: KV compaction after tree verification (mutates key_cache,
+  value_cache).
 
 Each op validates its arguments (ValueError, see checks.py), then runs, by device:
 GPU tensors -> the HIP/CUDA extension when it is built (build.load_gpu_extension());
 CPU tensors -> the CPU shim extension once a caller loaded it (build.load_cpu_shim(), tests);
-otherwise -> the torch references (backends.kv_cache.write_kv_reference, drafter.index_math).
+otherwise -> the torch references (backends.kv_cache.write_kv_reference, drafter.index_math,
+backends.kv_compact.compact_kv_reference).
 All paths give identical results; the fake impls only check and shape.
 """
 from typing import Optional
@@ -17,6 +20,7 @@ import torch
 from torch import Tensor
 
 from rocdraft.backends.kv_cache import FP8_DTYPES, NHD, SPLIT_K, LayerKVCache, write_kv_reference
+from rocdraft.backends.kv_compact import compact_kv_reference
 from rocdraft.drafter import index_math
 from rocdraft.hip_kernels import build, checks
 
@@ -130,3 +134,28 @@ def _prepare_padded_drafting_fake(sampled, discard_request, backup_next_token_id
     checks.check_prepare_padded_drafting(sampled, discard_request, backup_next_token_ids,
                                          vocab_size, query_start_loc, num_draft_tokens)
     return _padded_drafting_outputs(sampled)
+
+
+@torch.library.custom_op("rocdraft::compact_kv", mutates_args=("key_cache", "value_cache"))
+def compact_kv(key_cache: Tensor, value_cache: Tensor, block_table: Tensor, context_lens: Tensor,
+               accepted_nodes: Tensor, num_accepted: Tensor, layout: str,
+               block_size: int) -> None:
+    """For d = 1 .. num_accepted[b]: move seq index L + 1 + accepted_nodes[b, d - 1] to L + d
+    (L = context_lens[b]) in request b's blocks, raw bytes; backends.kv_compact has the
+    contract. block_table [>= B, max_blocks] int32, accepted_nodes [B, D] int64."""
+    checks.check_compact_kv(key_cache, value_cache, block_table, context_lens, accepted_nodes,
+                            num_accepted, layout, block_size)
+    kernels = kernels_for(key_cache.device)
+    if kernels is None:
+        compact_kv_reference(LayerKVCache(key_cache, value_cache, layout), block_table,
+                             context_lens, accepted_nodes, num_accepted, block_size)
+        return
+    kernels.compact_kv(key_cache, value_cache, block_table, context_lens, accepted_nodes,
+                       num_accepted, LAYOUT_CODES[layout], True, _stream(key_cache.device))
+
+
+@compact_kv.register_fake
+def _compact_kv_fake(key_cache, value_cache, block_table, context_lens, accepted_nodes,
+                     num_accepted, layout, block_size) -> None:
+    checks.check_compact_kv(key_cache, value_cache, block_table, context_lens, accepted_nodes,
+                            num_accepted, layout, block_size)

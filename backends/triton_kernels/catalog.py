@@ -29,7 +29,8 @@ import torch
 
 from rocdraft.backends.kv_cache import FP8_DTYPES
 from rocdraft.backends.triton_attn import TritonAttnBackend
-from rocdraft.backends.triton_kernels import draft_step, kv_write, unified_attention
+from rocdraft.backends.triton_kernels import (draft_step, kv_compact, kv_write,
+                                               unified_attention)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 
@@ -125,6 +126,21 @@ def _kv_write(variant: str, dtype: torch.dtype, cache_dtype: torch.dtype,
                  dtype_pair)
 
 
+def _kv_compact(variant: str, bits: str, layout_splits: tuple[int, int, int, int],
+                block_h: int = 8, block_d: int = 128) -> KernelSpec:
+    """KV compaction on caches viewed as raw ``bits`` (i8 / i16 / i32: fp8, 16-bit, fp32
+    caches): no dtype pair, every target."""
+    key_off, key_dim, value_off, value_dim = layout_splits
+    types = {"key_bits_ptr": f"*{bits}", "value_bits_ptr": f"*{bits}",
+             "block_table_ptr": "*i32", "context_lens_ptr": "*i32",
+             "accepted_nodes_ptr": "*i64", "num_accepted_ptr": "*i64"}
+    constexprs = {"KEY_OFF_SPLIT": key_off, "KEY_DIM_SPLIT": key_dim,
+                  "VALUE_OFF_SPLIT": value_off, "VALUE_DIM_SPLIT": value_dim,
+                  "BLOCK_H": block_h, "BLOCK_D": block_d}
+    return _spec(f"kv_compact[{variant}]", kv_compact.kv_compact_kernel, types, constexprs,
+                 ("_move_rows",))
+
+
 def _attention(variant: str, dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
                block_q: int, block_m: int, spec_mask: bool, targets: tuple[str, ...],
                block_d: int = 128, dtype_pair: tuple[torch.dtype, torch.dtype] | None = None
@@ -177,6 +193,9 @@ def kernel_catalog() -> tuple[KernelSpec, ...]:
                    True, ALL_TARGETS),
         _attention("fp16,prefill,head_dim256", torch.float16, torch.float16, 1, 64, 64, False,
                    ALL_TARGETS, block_d=256),
+        _kv_compact("16-bit,NHD", "i16", (1, 1, 1, 1)),
+        _kv_compact("fp8,SPLIT_K", "u8", (1, 16, 16, 1)),
+        _kv_compact("fp32,NHD", "i32", (1, 1, 1, 1)),
         _spec("advance_draft_step", draft_step.advance_draft_step_kernel,
               {"positions_ptr": "*i64", "seq_lens_ptr": "*i32", "block_table_ptr": "*i32",
                "clamped_positions_ptr": "*i64", "slot_mapping_ptr": "*i64"},

@@ -6,6 +6,7 @@
 
 #define ROCDRAFT_CPU_SHIM 1
 #include "kv_write.hip"
+#include "kv_compact.hip"
 #include "draft_step.hip"
 #include "padded_drafting.hip"
 #include "fp8_convert.hip"

@@ -43,6 +43,33 @@ int launch_write_kv(const WriteKvParams& params, ElemKind input_kind, ElemKind c
 // True when the 16-byte vector path may be used for these pointers and strides.
 bool write_kv_vector_ok(const WriteKvParams& params, ElemKind input_kind, ElemKind cache_kind);
 
+// KV compaction after tree verification (see kv_compact.hip), one block per request.
+struct CompactKvParams {
+  void* key_cache;              // NHD [num_blocks, block_size, H, D] | split-K [nb, H, D/x, bs, x]
+  void* value_cache;            // NHD [num_blocks, block_size, H, D] | split-K [nb, H, bs/x, D, x]
+  const int32_t* block_table;   // [>= batch_size, max_blocks_per_seq]
+  int64_t block_table_row_stride;
+  int64_t max_blocks_per_seq;
+  const int32_t* context_lens;  // [batch_size]: L, tokens cached before the step
+  const int64_t* accepted_nodes;  // [batch_size, max_depth], -1 after the path
+  int64_t accepted_row_stride;
+  int64_t max_depth;
+  const int64_t* num_accepted;  // [batch_size]
+  int64_t batch_size;
+  int64_t num_blocks;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  int32_t block_size;
+};
+
+// elem_bytes: the cache element size (1, 2 or 4; elements are copied as raw bits).
+// allow_vector = false forces the scalar path (tests run both on one input).
+int launch_compact_kv(const CompactKvParams& params, int elem_bytes, KvLayout layout,
+                      bool allow_vector, void* stream);
+
+// True when the 16-byte vector path may be used for these caches.
+bool compact_kv_vector_ok(const CompactKvParams& params, int elem_bytes);
+
 // In-place draft-step bookkeeping, one thread per request (see draft_step.hip).
 struct AdvanceDraftStepParams {
   int64_t* positions;          // [batch_size] in: previous position, out: + 1 (unclamped)

@@ -17,6 +17,9 @@
 //                           int stream)
 //   write_kv_vector_ok(key, value, key_cache, value_cache, slot_mapping, int layout) -> bool
 //   float_to_fp8(input, output!, int fp8_kind, int stream)
+//   compact_kv(key_cache!, value_cache!, block_table, context_lens, accepted_nodes,
+//              num_accepted, int layout, bool allow_vector, int stream)
+//   compact_kv_vector_ok(key_cache, value_cache, int layout) -> bool
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -216,6 +219,85 @@ inline void float_to_fp8(const at::Tensor& input, const at::Tensor& output, int6
                "float_to_fp8");
 }
 
+inline CompactKvParams make_compact_kv_params(const at::Tensor& key_cache,
+                                              const at::Tensor& value_cache,
+                                              const at::Tensor& block_table,
+                                              const at::Tensor& context_lens,
+                                              const at::Tensor& accepted_nodes,
+                                              const at::Tensor& num_accepted, int64_t layout) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "compact_kv: caches must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "compact_kv: cache dtypes");
+  const bool nhd = layout == kNHD;
+  TORCH_CHECK(nhd || layout == kSplitK, "compact_kv: unknown layout ", layout);
+  TORCH_CHECK(key_cache.dim() == (nhd ? 4 : 5) && value_cache.dim() == key_cache.dim(),
+              "compact_kv: cache rank does not match layout");
+  if (nhd) {
+    TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "compact_kv: cache shapes differ");
+  } else {  // key [nb, H, D/x, bs, x], value [nb, H, bs/x, D, x], x = 16 bytes
+    const int64_t x = 16 / key_cache.element_size();
+    TORCH_CHECK(key_cache.size(4) == x && value_cache.size(4) == x
+                    && key_cache.size(0) == value_cache.size(0)
+                    && key_cache.size(1) == value_cache.size(1)
+                    && key_cache.size(2) * x == value_cache.size(3)
+                    && value_cache.size(2) * x == key_cache.size(3),
+                "compact_kv: split-K cache shapes do not match");
+  }
+  TORCH_CHECK(accepted_nodes.dim() == 2 && rows_contiguous(accepted_nodes)
+                  && accepted_nodes.scalar_type() == at::kLong,
+              "compact_kv: accepted_nodes must be int64 [batch_size, max_depth]");
+  const int64_t batch_size = accepted_nodes.size(0);
+  check_1d(context_lens, at::kInt, batch_size, "compact_kv: context_lens");
+  check_1d(num_accepted, at::kLong, batch_size, "compact_kv: num_accepted");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) >= batch_size
+                  && block_table.size(1) > 0 && rows_contiguous(block_table)
+                  && block_table.scalar_type() == at::kInt,
+              "compact_kv: block_table must be int32 [>= batch_size, > 0]");
+  CompactKvParams p{};
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.block_table = static_cast<const int32_t*>(block_table.data_ptr());
+  p.block_table_row_stride = block_table.stride(0);
+  p.max_blocks_per_seq = block_table.size(1);
+  p.context_lens = static_cast<const int32_t*>(context_lens.data_ptr());
+  p.accepted_nodes = static_cast<const int64_t*>(accepted_nodes.data_ptr());
+  p.accepted_row_stride = accepted_nodes.stride(0);
+  p.max_depth = accepted_nodes.size(1);
+  p.num_accepted = static_cast<const int64_t*>(num_accepted.data_ptr());
+  p.batch_size = batch_size;
+  p.num_blocks = key_cache.size(0);
+  p.num_kv_heads = static_cast<int32_t>(nhd ? key_cache.size(2) : key_cache.size(1));
+  p.head_dim = static_cast<int32_t>(nhd ? key_cache.size(3) : value_cache.size(3));
+  p.block_size = static_cast<int32_t>(nhd ? key_cache.size(1) : key_cache.size(3));
+  return p;
+}
+
+inline void compact_kv(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                       const at::Tensor& block_table, const at::Tensor& context_lens,
+                       const at::Tensor& accepted_nodes, const at::Tensor& num_accepted,
+                       int64_t layout, bool allow_vector, int64_t stream) {
+  const CompactKvParams p = make_compact_kv_params(key_cache, value_cache, block_table,
+                                                   context_lens, accepted_nodes, num_accepted,
+                                                   layout);
+  check_launch(launch_compact_kv(p, static_cast<int>(key_cache.element_size()),
+                                 static_cast<KvLayout>(layout), allow_vector,
+                                 reinterpret_cast<void*>(stream)),
+               "compact_kv");
+}
+
+// Whether compact_kv would take the 16-byte vector path for these caches (for tests).
+inline bool compact_kv_vector_ok_op(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                    int64_t layout) {
+  const bool nhd = layout == kNHD;
+  TORCH_CHECK(key_cache.dim() == (nhd ? 4 : 5) && value_cache.dim() == key_cache.dim(),
+              "compact_kv_vector_ok: cache rank does not match layout");
+  CompactKvParams p{};
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.head_dim = static_cast<int32_t>(nhd ? key_cache.size(3) : value_cache.size(3));
+  return compact_kv_vector_ok(p, static_cast<int>(key_cache.element_size()));
+}
+
 }  // namespace binding
 }  // namespace rocdraft
 
@@ -240,4 +322,10 @@ inline void float_to_fp8(const at::Tensor& input, const at::Tensor& output, int6
           &rocdraft::binding::prepare_padded_drafting);                                        \
     m.def("float_to_fp8(Tensor input, Tensor(a!) output, int fp8_kind, int stream) -> ()",     \
           &rocdraft::binding::float_to_fp8);                                                   \
+    m.def("compact_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor block_table, "    \
+          "Tensor context_lens, Tensor accepted_nodes, Tensor num_accepted, int layout, "      \
+          "bool allow_vector, int stream) -> ()",                                              \
+          &rocdraft::binding::compact_kv);                                                     \
+    m.def("compact_kv_vector_ok(Tensor key_cache, Tensor value_cache, int layout) -> bool",    \
+          &rocdraft::binding::compact_kv_vector_ok_op);                                        \
   }
