@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from rocdraft.sampler import (SamplingTensors, position_generator, sample_from_probs,
-                              target_probs)
+from rocdraft.sampler import SamplingTensors, position_noise, sample_from_probs, target_probs
 
 
 def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -48,7 +47,7 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
         rep = lambda t: t.repeat_interleave(width)  # noqa: E731  one row per position
         probs = target_probs(flat, rep(sampling.temperature), rep(sampling.top_k),
                              rep(sampling.top_p)).view(batch_size, width, vocab)
-        noise = _position_noise(num_draft_tokens_cpu, width, vocab, sampling, device)
+        noise = position_noise(num_draft_tokens_cpu, width, vocab, sampling, device)
         emitted = sample_from_probs(probs, noise)  # greedy rows: one-hot probs -> argmax
     accepted = is_draft & (drafts == emitted[:, :max_drafts])
 
@@ -56,19 +55,3 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     # including the first mismatch (or the bonus), then -1.
     num_accepted = accepted.cumprod(dim=1).sum(dim=1, keepdim=True)  # [B, 1]
     return emitted.masked_fill(positions > num_accepted, -1)
-
-
-def _position_noise(num_drafts: list[int], width: int, vocab: int,
-                    sampling: SamplingTensors, device) -> torch.Tensor:
-    """Exp(1) noise [B, width, vocab] for the num_drafts[i] + 1 verified positions of row i:
-    per position from ``position_generator(seed, index + j)`` for seeded rows, else in order
-    from the row's generator (None: the default one)."""
-    noise = torch.ones(len(num_drafts), width, vocab, device=device)
-    seeds = sampling.position_seeds or (None,) * len(num_drafts)
-    for i, (n, gen, seed) in enumerate(zip(num_drafts, sampling.generators, seeds)):
-        if seed is None:
-            noise[i, :n + 1].exponential_(generator=gen)
-            continue
-        for j in range(n + 1):
-            noise[i, j].exponential_(generator=position_generator(seed[0], seed[1] + j, device))
-    return noise

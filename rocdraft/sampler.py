@@ -97,3 +97,19 @@ def position_generator(seed: int, position: int, device) -> torch.Generator:
     """The generator of output token ``position`` of a request seeded with ``seed``."""
     mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (2 ** 63)
     return torch.Generator(device=device).manual_seed(mixed)
+
+
+def position_noise(num_drafts: list[int], width: int, vocab: int,
+                   sampling: SamplingTensors, device) -> torch.Tensor:
+    """Exp(1) noise [B, width, vocab] for the num_drafts[i] + 1 verified positions of row i:
+    per position from ``position_generator(seed, index + j)`` for seeded rows, else in order
+    from the row's generator (None: the default one)."""
+    noise = torch.ones(len(num_drafts), width, vocab, device=device)
+    seeds = sampling.position_seeds or (None,) * len(num_drafts)
+    for i, (n, gen, seed) in enumerate(zip(num_drafts, sampling.generators, seeds)):
+        if seed is None:
+            noise[i, :n + 1].exponential_(generator=gen)
+            continue
+        for j in range(n + 1):
+            noise[i, j].exponential_(generator=position_generator(seed[0], seed[1] + j, device))
+    return noise

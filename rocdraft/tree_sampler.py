@@ -59,8 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from rocdraft.errors import RocdraftError
-from rocdraft.rejection_sampler import _position_noise
-from rocdraft.sampler import SamplingTensors, sample_from_probs, target_probs
+from rocdraft.sampler import SamplingTensors, position_noise, sample_from_probs, target_probs
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ def tree_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, parents
         rep = lambda t: t.repeat_interleave(width)  # noqa: E731  one row per tree row
         probs = target_probs(flat, rep(sampling.temperature), rep(sampling.top_k),
                              rep(sampling.top_p)).view(batch_size, width, vocab)
-        noise = _position_noise([max_depth] * batch_size, max_depth + 1, vocab, sampling,
+        noise = position_noise([max_depth] * batch_size, max_depth + 1, vocab, sampling,
                                 device)  # [B, max_depth + 1, V]
 
     current = torch.full((batch_size,), -1, dtype=torch.long, device=device)  # -1 = root
