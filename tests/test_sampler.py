@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stats import chi_square_p_value
 from rocdraft.config import SamplingParams
 from rocdraft.rejection_sampler import rejection_sample
 from rocdraft.sampler import SamplingTensors, sample_from_probs, target_probs
@@ -129,18 +130,6 @@ def test_sampling_tensors_build():
 
 
 # --- drawing tokens -------------------------------------------------------------------------
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit over the categories with probability > 0."""
-    n = counts.sum()
-    support = probs > 0
-    expected = probs[support] * n
-    stat = ((counts[support] - expected) ** 2 / expected).sum()
-    df = int(support.sum()) - 1
-    if df == 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
-                                         stat.double() / 2))
 
 
 def test_exponential_race_draws_from_probs():
