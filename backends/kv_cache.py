@@ -72,6 +72,21 @@ def kv_cache_shapes(layout: str, num_blocks: int, block_size: int, num_kv_heads:
     raise ValueError(f"unknown KV layout {layout!r}; valid: {KV_LAYOUTS}")
 
 
+def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     expected: tuple[tuple[int, ...], tuple[int, ...]], layout: str,
+                     device: torch.device, detail: str = "") -> None:
+    """Kernel-argument check: key/value caches have the ``expected`` shapes (from
+    ``kv_cache_shapes``), are contiguous and on ``device``; a ValueError naming the cache,
+    its shape and the layout (plus ``detail``) otherwise."""
+    for name, cache, shape in (("key_cache", key_cache, expected[0]),
+                               ("value_cache", value_cache, expected[1])):
+        if tuple(cache.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(cache.shape)}, expected {shape} for "
+                             f"layout {layout}{detail}")
+        if not cache.is_contiguous() or cache.device != device:
+            raise ValueError(f"{name} must be contiguous and on {device}")
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device | str,
                       layout: str = NHD, kv_scale: float = 1.0) -> list[LayerKVCache]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from rocdraft.backends.kv_cache import (FP8_DTYPES, KV_LAYOUTS, NHD, LayerKVCache, _element_index,
-                                        kv_cache_shapes)
+                                        check_cache_pair, kv_cache_shapes)
 
 IMPLEMENTATIONS = ("hip", "triton", "reference")
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32) + FP8_DTYPES
@@ -83,13 +83,7 @@ def check_compact_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, layout:
     expected = kv_cache_shapes(layout, num_blocks, cache_block_size, num_kv_heads,
                                max(head_dim, 1), key_cache.dtype)
     device = key_cache.device
-    for name, cache, shape in (("key_cache", key_cache, expected[0]),
-                               ("value_cache", value_cache, expected[1])):
-        if tuple(cache.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(cache.shape)}, expected {shape} for "
-                             f"layout {layout}")
-        if not cache.is_contiguous() or cache.device != device:
-            raise ValueError(f"{name} must be contiguous and on {device}")
+    check_cache_pair(key_cache, value_cache, expected, layout, device)
     _check_index_tensor("accepted_nodes", accepted_nodes, torch.int64, 2, device)
     batch_size = accepted_nodes.shape[0]
     _check_index_tensor("block_table", block_table, torch.int32, 2, device)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from rocdraft.backends.kv_cache import FP8_DTYPES, KV_LAYOUTS, NHD, kv_cache_shapes
+from rocdraft.backends.kv_cache import (FP8_DTYPES, KV_LAYOUTS, NHD, check_cache_pair,
+                                        kv_cache_shapes)
 from rocdraft.backends.kv_compact import check_compact_kv as _check_compact_kv_args
 
 KV_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -71,13 +72,8 @@ def check_write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     block_size = key_cache.shape[1] if layout == NHD else key_cache.shape[3]
     expected = kv_cache_shapes(layout, key_cache.shape[0], block_size, num_kv_heads, head_dim,
                                cache_dtype)
-    for name, cache, shape in (("key_cache", key_cache, expected[0]),
-                               ("value_cache", value_cache, expected[1])):
-        if tuple(cache.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(cache.shape)}, expected {shape} for "
-                             f"layout {layout}, {num_kv_heads} kv heads, head_dim {head_dim}")
-        if not cache.is_contiguous() or cache.device != device:
-            raise ValueError(f"{name} must be contiguous and on {device}")
+    check_cache_pair(key_cache, value_cache, expected, layout, device,
+                     f", {num_kv_heads} kv heads, head_dim {head_dim}")
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None:
             continue
