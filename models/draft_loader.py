@@ -111,8 +111,10 @@ def _build_eagle3(config: HeadConfig, state: StateDict, target: LlamaForCausalLM
 
 
 def _shared_lm_head(config: HeadConfig, target: LlamaForCausalLM, where: str) -> nn.Linear:
-    """The target's lm_head, for an EAGLE-3 head without lm_head.weight, when it fits."""
-    shared = list(target.lm_head.weight.shape)
+    """The target's lm_head, for an EAGLE-3 head without lm_head.weight, when it fits. The
+    full shape comes from the config: under tensor parallelism the weight is one rank's
+    vocabulary shard (rocdraft.distributed.layers.ParallelLMHead gathers the logits)."""
+    shared = [target.config.vocab_size, target.config.hidden_size]
     expected = [config.draft_vocab_size, config.hidden_size]
     if shared != expected:
         raise CheckpointError(f"{where}: no lm_head.weight in the head, and the target's lm_head "
