@@ -121,6 +121,15 @@ class SpeculativeConfig:
     # batch size. None: measured once per batch bucket on dummy inputs.
     draft_costs: tuple[float, ...] | None = None
     acceptance_prior: float = 0.7  # conditional acceptance rate assumed before any is seen
+    # Tree drafting (issue 13), at most one of the two; num_speculative_tokens keeps meaning
+    # the chain length. Static: the seed's string format, "[(0,), (1,), (0, 0)]" (or the
+    # parsed nodes), validated by drafter.tree_spec. Dynamic (EAGLE-2): all three of depth,
+    # top_k (children per frontier node, and frontier width) and total_tokens (the root plus
+    # the nodes kept). Validated here; the engine refuses trees until tree steps are wired.
+    speculative_token_tree: str | tuple | None = None
+    tree_depth: int | None = None
+    tree_top_k: int | None = None
+    tree_total_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft_policy, str) or self.draft_policy not in DRAFT_POLICIES:
@@ -155,6 +164,48 @@ class SpeculativeConfig:
             raise RocdraftError(f"num_speculative_tokens must be in "
                                 f"[1, {self.max_speculative_tokens}], "
                                 f"got {self.num_speculative_tokens}")
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        """Validate the tree fields; a static tree is stored as its BFS-ordered nodes."""
+        dynamic = {name: getattr(self, name)
+                   for name in ("tree_depth", "tree_top_k", "tree_total_tokens")}
+        given = [name for name, value in dynamic.items() if value is not None]
+        if self.speculative_token_tree is not None and given:
+            raise RocdraftError(f"speculative_token_tree (a static tree) and {', '.join(given)} "
+                                f"(a dynamic tree) were both given; choose one")
+        if self.speculative_token_tree is not None:
+            from rocdraft.drafter.tree_spec import parse_token_tree
+
+            nodes = parse_token_tree(self.speculative_token_tree, self.max_speculative_tokens)
+            object.__setattr__(self, "speculative_token_tree", nodes)
+            return
+        if not given:
+            return
+        missing = [name for name in dynamic if name not in given]
+        if missing:
+            raise RocdraftError(f"a dynamic tree needs tree_depth, tree_top_k and "
+                                f"tree_total_tokens; missing {', '.join(missing)}")
+        depth = check_int("tree_depth", self.tree_depth, minimum=1)
+        top_k = check_int("tree_top_k", self.tree_top_k, minimum=1)
+        total = check_int("tree_total_tokens", self.tree_total_tokens, minimum=2)
+        if depth > self.max_speculative_tokens:
+            raise RocdraftError(f"tree_depth {depth} > max_speculative_tokens "
+                                f"{self.max_speculative_tokens}")
+        candidates = top_k + (depth - 1) * top_k * top_k  # drafter.tree_math's count
+        if total - 1 > candidates:
+            raise RocdraftError(f"tree_total_tokens {total} keeps {total - 1} nodes but depth "
+                                f"{depth} x top_k {top_k} creates only {candidates} candidates")
+        for name, value in (("tree_depth", depth), ("tree_top_k", top_k),
+                            ("tree_total_tokens", total)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def tree_kind(self) -> str | None:
+        """"static", "dynamic", or None for chain drafting."""
+        if self.speculative_token_tree is not None:
+            return "static"
+        return "dynamic" if self.tree_depth is not None else None
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,8 @@ class LLMEngine:
             raise RocdraftError(f"device {device!r} requested but no GPU is visible; use cpu")
         check_sizing(num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
                      on_gpu=device != "cpu")
+        if speculative_config is not None and speculative_config.tree_kind:
+            _refuse_tree(speculative_config, attention_backend, draft_attention_backend)
         self.config = EngineConfig(target=target, draft=draft, speculative=speculative_config,
                                    dtype=dtype, device=device,
                                    attention_backend=attention_backend,
@@ -499,6 +501,22 @@ class LLM(LLMEngine):
             self.stats.merge(stats)
         self.last_stats = stats
         return [self._output(r) for r in requests]
+
+
+def _refuse_tree(spec: SpeculativeConfig, attention_backend: str | None,
+                 draft_attention_backend: str | None) -> None:
+    """Refuse a tree config before any weight loads: a named backend without TREE_DRAFTING
+    (verification and per-level drafting need the tree mask), else because tree steps are
+    not wired into the engine yet (the tree pieces are: drafter/tree_*.py, tree_sampler.py,
+    backends/kv_compact.py)."""
+    for role, name in (("target", attention_backend or envs.attention_backend()),
+                       ("draft", draft_attention_backend or envs.draft_attention_backend())):
+        if name:
+            registry.require(name, Feature.TREE_DRAFTING, f"{spec.tree_kind} tree drafting "
+                             f"needs a tree mask in the {role} backend")
+    raise RocdraftError(f"{spec.tree_kind} tree drafting is validated but the engine does not "
+                        f"run tree steps yet; use chain drafting (num_speculative_tokens="
+                        f"{spec.num_speculative_tokens}) without the tree fields")
 
 
 @dataclass(frozen=True)

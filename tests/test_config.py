@@ -8,6 +8,7 @@ import pytest
 
 from rocdraft.config import (DTYPES, MAX_SPECULATIVE_TOKENS, METHODS, EngineConfig,
                              SamplingParams, SchedulerConfig, SpeculativeConfig)
+from rocdraft.errors import RocdraftError
 
 # --- SamplingParams -------------------------------------------------------------------------
 
@@ -231,3 +232,41 @@ def test_draft_policy_defaults_and_given_costs():
     given = SpeculativeConfig(draft_policy="fixed", draft_costs=[0.01, 1, 0, 0, 0.002])
     assert given.draft_costs == (0.01, 1.0, 0.0, 0.0, 0.002)
     assert all(type(v) is float for v in given.draft_costs)
+
+
+# --- tree fields ------------------------------------------------------------------------------
+
+def test_static_tree_is_parsed_to_bfs_nodes():
+    spec = SpeculativeConfig(speculative_token_tree="[(1,), (0,), (0, 0)]")
+    assert spec.speculative_token_tree == ((0,), (1,), (0, 0))
+    assert spec.tree_kind == "static"
+    assert SpeculativeConfig().tree_kind is None
+
+
+def test_dynamic_tree_fields():
+    spec = SpeculativeConfig(tree_depth=5, tree_top_k=4, tree_total_tokens=16)
+    assert spec.tree_kind == "dynamic" and spec.num_speculative_tokens == 4
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(speculative_token_tree="[(0,)]", tree_depth=2), "choose one"),
+    (dict(tree_depth=2), "missing tree_top_k, tree_total_tokens"),
+    (dict(tree_depth=2, tree_top_k=0, tree_total_tokens=4), "tree_top_k must be >= 1, got 0"),
+    (dict(tree_depth=2, tree_top_k=2, tree_total_tokens=1),
+     "tree_total_tokens must be >= 2, got 1"),
+    (dict(tree_depth=2, tree_top_k=2, tree_total_tokens=8), "creates only 6 candidates"),
+    (dict(tree_depth=17, tree_top_k=2, tree_total_tokens=4), "tree_depth 17 > max_speculative"),
+    (dict(tree_depth=True, tree_top_k=2, tree_total_tokens=4), "tree_depth must be an integer"),
+    (dict(speculative_token_tree="[(0,), (0,)]"), "(0,) is listed twice"),
+    (dict(speculative_token_tree="[(0,), (1, 0)]"), "no parent (1,)"),
+    (dict(speculative_token_tree="[(0, 0), (0,)]"), "sorted by depth"),
+    (dict(speculative_token_tree="[(0,), (-1,)]"), "negative rank -1"),
+    (dict(speculative_token_tree="__import__('os')"), "is not a Python literal"),
+    (dict(speculative_token_tree="[(0,), (0, 0), (0, 0, 0)]", max_speculative_tokens=2,
+          num_speculative_tokens=2),
+     "depth 3 > max_depth 2 (max_speculative_tokens)"),
+])
+def test_tree_field_errors_name_the_bad_value(kwargs, fragment):
+    with pytest.raises(RocdraftError) as exc:
+        SpeculativeConfig(**kwargs)
+    assert fragment in str(exc.value), str(exc.value)

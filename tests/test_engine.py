@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from checkpoints import write_tiny_llama
-from rocdraft.config import SamplingParams
+from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.engine import LLM
 from rocdraft.errors import RocdraftError
 
@@ -421,3 +421,27 @@ def test_generate_refuses_to_mix_with_requests_in_flight(accepting_pair):
         llm.step()
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3))[0].token_ids) == 3
     assert llm.stats.generated_tokens >= 3 + 2  # engine-wide counters include both
+
+
+# --- tree configs: refused before any weight loads ----------------------------------------
+
+TREE_CONFIGS = [SpeculativeConfig(speculative_token_tree="[(0,), (1,), (0, 0)]"),
+                SpeculativeConfig(tree_depth=3, tree_top_k=2, tree_total_tokens=6)]
+
+
+@pytest.mark.parametrize("spec", TREE_CONFIGS, ids=["static", "dynamic"])
+def test_tree_config_refused_before_weights_load(tmp_path, spec):
+    missing = str(tmp_path / "no_such_checkpoint")  # loading anything would fail differently
+    with pytest.raises(RocdraftError) as exc:
+        LLM(missing, draft=missing, speculative_config=spec)
+    assert f"{spec.tree_kind} tree drafting" in str(exc.value)
+    assert "does not run tree steps yet" in str(exc.value)
+
+
+@pytest.mark.parametrize("role", ["attention_backend", "draft_attention_backend"])
+def test_tree_config_with_a_backend_lacking_tree_masks(tmp_path, role):
+    missing = str(tmp_path / "no_such_checkpoint")
+    with pytest.raises(RocdraftError) as exc:
+        LLM(missing, draft=missing, speculative_config=TREE_CONFIGS[0], **{role: "FLASH_ATTN"})
+    message = str(exc.value)
+    assert "FLASH_ATTN does not support tree_drafting" in message and "TORCH_SDPA" in message
