@@ -110,7 +110,7 @@ def _shown(keys: list[str], limit: int = 4) -> str:
     return ", ".join(keys[:limit]) + more
 
 
-def _check_dtype(key: str, source: torch.Tensor, target: torch.Tensor, where: str) -> None:
+def check_dtype(key: str, source: torch.Tensor, target: torch.Tensor, where: str) -> None:
     """A floating weight needs a floating tensor; an integer buffer an integer one."""
     if target.is_floating_point():
         if not source.is_floating_point():
@@ -119,6 +119,32 @@ def _check_dtype(key: str, source: torch.Tensor, target: torch.Tensor, where: st
     elif source.is_floating_point() or source.is_complex() or source.dtype == torch.bool:
         raise CheckpointError(f"{where}: tensor {key} has dtype {source.dtype}, expected an "
                               f"integer tensor ({target.dtype})")
+
+
+def checked_targets(module: nn.Module, stored_keys: Iterable[str],
+                    checkpoint_key: Callable[[str], str], skip: Iterable[str] = (),
+                    where: str = "checkpoint", allowed_unused: Iterable[str] = ()
+                    ) -> dict[str, torch.Tensor]:
+    """The parameters and persistent buffers of ``module`` a checkpoint must fill (names not
+    starting with a ``skip`` prefix), after checking the checkpoint's key set against them:
+    every one present (else CheckpointError naming the missing keys), and every stored key
+    used or matching an ``allowed_unused`` fnmatch pattern (else naming a few and the count).
+    Shared by ``copy_weights`` and the tensor-parallel loader, which reads slices instead."""
+    skip, allowed_unused = tuple(skip), tuple(allowed_unused)
+    stored = set(stored_keys)
+    targets = {name: t for name, t in module.state_dict(keep_vars=True).items()
+               if not name.startswith(skip)}
+    missing = [checkpoint_key(n) for n in targets if checkpoint_key(n) not in stored]
+    if missing:
+        raise CheckpointError(f"{where}: missing weight(s) {_shown(missing, 8)}")
+    used = {checkpoint_key(n) for n in targets}
+    unexpected = sorted(k for k in stored if k not in used and not any(
+        fnmatch.fnmatchcase(k, pattern) for pattern in allowed_unused))
+    if unexpected:
+        raise CheckpointError(f"{where}: {len(unexpected)} unexpected weight(s) the model does "
+                              f"not use: {_shown(unexpected)} (does config.json describe this "
+                              f"checkpoint?)")
+    return targets
 
 
 def copy_weights(module: nn.Module, state: StateDict, checkpoint_key: Callable[[str], str],
@@ -133,25 +159,14 @@ def copy_weights(module: nn.Module, state: StateDict, checkpoint_key: Callable[[
     be copied or match one of the ``allowed_unused`` fnmatch patterns (keys the caller uses
     itself or that are legitimately ignored); others are refused, naming a few and the count.
     """
-    skip, allowed_unused = tuple(skip), tuple(allowed_unused)
-    targets = {name: t for name, t in module.state_dict(keep_vars=True).items()
-               if not name.startswith(skip)}
-    missing = [checkpoint_key(n) for n in targets if checkpoint_key(n) not in state]
-    if missing:
-        raise CheckpointError(f"{where}: missing weight(s) {_shown(missing, 8)}")
-    used = {checkpoint_key(n) for n in targets}
-    unexpected = sorted(k for k in state if k not in used and not any(
-        fnmatch.fnmatchcase(k, pattern) for pattern in allowed_unused))
-    if unexpected:
-        raise CheckpointError(f"{where}: {len(unexpected)} unexpected weight(s) the model does "
-                              f"not use: {_shown(unexpected)} (does config.json describe this "
-                              f"checkpoint?)")
+    targets = checked_targets(module, state.keys(), checkpoint_key, skip, where,
+                              allowed_unused)
     for name, target in targets.items():
         key = checkpoint_key(name)
         source = state[key]
         if tuple(source.shape) != tuple(target.shape):
             raise CheckpointError(f"{where}: weight {key} has shape {list(source.shape)}, "
                                   f"expected {list(target.shape)}")
-        _check_dtype(key, source, target, where)
+        check_dtype(key, source, target, where)
         with torch.no_grad():
             target.copy_(source.to(target.dtype))

@@ -21,7 +21,6 @@ mappings are the same on every rank.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from rocdraft.distributed.validation import TensorParallelLayout, check_tensor_p
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
 from rocdraft.models.llama import _ALLOWED_UNUSED, LlamaForCausalLM, _checkpoint_key
+from rocdraft.models.weights import check_dtype, checked_targets
 
 
 class TensorParallelLlama(LlamaForCausalLM):
@@ -124,29 +124,15 @@ def load_tp_target(path: str | Path, group: ParallelGroup, dtype: torch.dtype,
     skip = ("lm_head.",) if config.tie_word_embeddings else ()
     where = f"target checkpoint {path} (tensor-parallel rank {group.rank})"
     with ShardReader(path) as reader:
-        stored = set(reader.keys())
-        targets = {n: t for n, t in model.state_dict(keep_vars=True).items()
-                   if not n.startswith(skip)}
-        missing = [_checkpoint_key(n) for n in targets if _checkpoint_key(n) not in stored]
-        if missing:
-            raise CheckpointError(f"{where}: missing weight(s) {missing[:8]}")
-        allowed = _ALLOWED_UNUSED + (("lm_head.weight",) if skip else ())
-        used = {_checkpoint_key(n) for n in targets}
-        unexpected = sorted(k for k in stored - used
-                            if not any(fnmatch.fnmatchcase(k, p) for p in allowed))
-        if unexpected:
-            raise CheckpointError(f"{where}: {len(unexpected)} unexpected weight(s) the model "
-                                  f"does not use: {unexpected[:4]} (does config.json describe "
-                                  f"this checkpoint?)")
+        targets = checked_targets(model, reader.keys(), _checkpoint_key, skip, where,
+                                  _ALLOWED_UNUSED + (("lm_head.weight",) if skip else ()))
         for name, target in targets.items():
             key = _checkpoint_key(name)
             if reader.shape(key) != full_shapes[name]:
                 raise CheckpointError(f"{where}: weight {key} has shape {reader.shape(key)}, "
                                       f"expected {full_shapes[name]}")
             source = reader.read(key, plan[name])
-            if not source.is_floating_point():
-                raise CheckpointError(f"{where}: weight {key} has dtype {source.dtype}, "
-                                      f"expected a floating-point tensor")
+            check_dtype(key, source, target, where)
             if tuple(source.shape) != tuple(target.shape):  # a plan / layout disagreement
                 raise RuntimeError(f"{key}: slice {list(source.shape)} for a "
                                    f"{list(target.shape)} shard")
