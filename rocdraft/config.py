@@ -192,7 +192,9 @@ class SpeculativeConfig:
         if depth > self.max_speculative_tokens:
             raise RocdraftError(f"tree_depth {depth} > max_speculative_tokens "
                                 f"{self.max_speculative_tokens}")
-        candidates = top_k + (depth - 1) * top_k * top_k  # drafter.tree_math's count
+        from rocdraft.drafter.tree_math import dynamic_tree_num_candidates
+
+        candidates = dynamic_tree_num_candidates(depth, top_k)
         if total - 1 > candidates:
             raise RocdraftError(f"tree_total_tokens {total} keeps {total - 1} nodes but depth "
                                 f"{depth} x top_k {top_k} creates only {candidates} candidates")
