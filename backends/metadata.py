@@ -34,9 +34,11 @@ every backend that declares tree drafting:
 
 Example: seq_len 10, S 4, q 2: the mask covers positions 6..9, the query tokens sit at 8
 and 9 and use rows 2 and 3; token 9 sees positions 0..5 always and 6..9 where mask[3, :].
+A request shorter than S (a short prompt chunk in the same step as a tree) simply has no
+keys before position 0: its rows ``p - first`` start past row 0 and a mask that is True
+there (``drafter.tree_index.verify_tree_mask``) leaves it to the causal rule.
 Validation (``__post_init__``, host ints only): bool, 2-D or 3-D, square, batch dim
-``num_reqs``, S >= 1 and S <= every request's ``seq_lens_cpu`` (an upper bound while
-drafting, so the check never refuses a valid step).
+``num_reqs``, S >= 1.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ class CommonAttentionMetadata:
             raise ValueError(f"seq_lens has {self.seq_lens.shape[0]} entries, "
                              f"expected num_reqs = {self.num_reqs}")
         if self.spec_mask is not None:
-            check_spec_mask(self.spec_mask, self.num_reqs, self.seq_lens_cpu)
+            check_spec_mask(self.spec_mask, self.num_reqs)
 
     def with_updates(self, **changes) -> "CommonAttentionMetadata":
         """A copy with ``changes`` applied (metadata objects are never mutated)."""
@@ -96,9 +98,10 @@ class CommonAttentionMetadata:
             slot_mapping=host_to_device(slot_mapping.to(torch.int64), device), causal=causal)
 
 
-def check_spec_mask(mask: torch.Tensor, num_reqs: int, seq_lens_cpu: torch.Tensor) -> None:
+def check_spec_mask(mask: torch.Tensor, num_reqs: int) -> None:
     """Raise ValueError (one line naming the shape) unless ``mask`` is a bool [S, S] or
-    [num_reqs, S, S] with 1 <= S <= min(seq_lens_cpu[:num_reqs]). Reads no device tensor."""
+    [num_reqs, S, S] with S >= 1 (a request shorter than S is valid: module docstring).
+    Reads no device tensor."""
     shape = list(mask.shape)
     if mask.dtype != torch.bool:
         raise ValueError(f"spec_mask must be a bool tensor, got {mask.dtype} of shape {shape}")
@@ -108,13 +111,6 @@ def check_spec_mask(mask: torch.Tensor, num_reqs: int, seq_lens_cpu: torch.Tenso
     if mask.dim() == 3 and mask.shape[0] != num_reqs:
         raise ValueError(f"spec_mask of shape {shape} has batch dim {mask.shape[0]}, expected "
                          f"num_reqs = {num_reqs}")
-    num_spec = mask.shape[-1]
-    if num_reqs:
-        seq_lens = seq_lens_cpu[:num_reqs]
-        shortest = int(seq_lens.argmin())
-        if int(seq_lens[shortest]) < num_spec:
-            raise ValueError(f"spec_mask of shape {shape} covers the last S = {num_spec} keys, "
-                             f"but request {shortest} has seq_len {int(seq_lens[shortest])}")
 
 
 def token_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,

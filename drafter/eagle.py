@@ -6,6 +6,8 @@ One speculative step, padded path (no host sync)::
     prepare_inputs_padded ──> token_indices_to_sample [B], num_rejected [B]
     propose: shifted ids + next token, first forward over all target tokens,
              then k-1 single-token steps (positions +1, clamp, slots, seq_lens +1)
+    propose_tree: the same first forward, then one forward per tree level
+             (drafter/tree_draft.py)
 
 The unpadded path (``prepare_inputs``) drops rejected tokens on the host instead; both give
 the same drafts (tests/test_eagle_proposer.py).
@@ -27,7 +29,9 @@ class EagleProposer:
     def __init__(self, head: torch.nn.Module, backend: type[AttentionBackend],
                  num_speculative_tokens: int, max_num_tokens: int, max_num_seqs: int,
                  max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, tree=None) -> None:
+        """tree: a StaticTree or DynamicTree (drafter/tree_spec.py) to enable propose_tree;
+        its backend must declare TREE_DRAFTING."""
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if num_speculative_tokens > 1:
@@ -44,6 +48,12 @@ class EagleProposer:
         self.arange_cpu = torch.arange(max_num_seqs + 1, dtype=torch.int32)
         # Set by the engine on GPUs (drafter/graphs.py); None runs the steps eagerly.
         self.graph_runner = None
+        self.tree_drafter = None
+        if tree is not None:
+            from rocdraft.drafter.tree_draft import TreeDrafter
+
+            require(backend.name, Feature.TREE_DRAFTING, "tree drafting (per-level tree masks)")
+            self.tree_drafter = TreeDrafter(self, tree)
 
     def validate_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
         """All draft layers must share one KV-cache group: same block size, blocks, layout."""
@@ -140,18 +150,10 @@ class EagleProposer:
         if not 1 <= num_drafts <= self.num_speculative_tokens:
             raise ValueError(f"num_drafts must be in [1, {self.num_speculative_tokens}], "
                              f"got {num_drafts}")
-        num_tokens = target_token_ids.shape[0]
         batch_size = common.num_reqs
-        if num_tokens > self.max_num_tokens or batch_size > self.max_num_seqs:
-            raise RocdraftError(f"batch of {num_tokens} tokens / {batch_size} requests exceeds "
-                                f"the proposer's buffers ({self.max_num_tokens} / "
-                                f"{self.max_num_seqs})")
-        input_ids = index_math.shift_input_ids(target_token_ids, next_token_ids,
-                                               last_token_indices)
-        hidden = self.head.combine_hidden_states(target_hidden_states)  # [num_tokens, H]
-        metadata = self.builder.build(common)
-        hidden = self.head(input_ids, target_positions, hidden, kv_caches, metadata)
-        sample_hidden = hidden[last_token_indices]  # [B, H]
+        sample_hidden = self.first_forward(target_token_ids, target_positions,
+                                           target_hidden_states, next_token_ids,
+                                           last_token_indices, common, kv_caches)
         draft_ids = self._greedy(sample_hidden)
         if num_drafts == 1:
             return draft_ids.view(-1, 1)
@@ -171,6 +173,42 @@ class EagleProposer:
                                     common.block_table, kv_caches,
                                     seq_len_bound=common.max_seq_len, steps=num_drafts - 1)
         return torch.cat([draft_ids.view(-1, 1), rest], dim=1)  # [B, k]
+
+    def first_forward(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
+                      target_hidden_states, next_token_ids: torch.Tensor,
+                      last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
+                      kv_caches: list[LayerKVCache]) -> torch.Tensor:
+        """The head over every target token of the step (ids shifted by one, the next token
+        at each request's last index), written to the draft KV cache at the target's slots
+        -> the head's output at ``last_token_indices`` [B, H]."""
+        num_tokens = target_token_ids.shape[0]
+        batch_size = common.num_reqs
+        if num_tokens > self.max_num_tokens or batch_size > self.max_num_seqs:
+            raise RocdraftError(f"batch of {num_tokens} tokens / {batch_size} requests exceeds "
+                                f"the proposer's buffers ({self.max_num_tokens} / "
+                                f"{self.max_num_seqs})")
+        input_ids = index_math.shift_input_ids(target_token_ids, next_token_ids,
+                                               last_token_indices)
+        hidden = self.head.combine_hidden_states(target_hidden_states)  # [num_tokens, H]
+        metadata = self.builder.build(common)
+        hidden = self.head(input_ids, target_positions, hidden, kv_caches, metadata)
+        return hidden[last_token_indices]  # [B, H]
+
+    def propose_tree(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
+                     target_hidden_states, next_token_ids: torch.Tensor,
+                     last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
+                     kv_caches: list[LayerKVCache], budget_nodes: int | None = None):
+        """Tree drafting: the inputs of ``propose`` (``common`` without a tree mask; the
+        accepted path first in each request's tokens) -> TreeDrafts (tokens, parents and
+        node counts [B], drafter/tree_draft.py). budget_nodes: nodes over the whole batch."""
+        if self.tree_drafter is None:
+            raise RocdraftError("propose_tree needs a proposer built with a tree")
+        sample_hidden = self.first_forward(target_token_ids, target_positions,
+                                           target_hidden_states, next_token_ids,
+                                           last_token_indices, common, kv_caches)
+        root_positions = target_positions[last_token_indices]  # [B]
+        return self.tree_drafter.draft(sample_hidden, root_positions, common.block_table,
+                                       kv_caches, common.max_seq_len, budget_nodes)
 
     def draft_steps(self, draft_ids: torch.Tensor, positions: torch.Tensor,
                     seq_lens: torch.Tensor, hidden: torch.Tensor, block_table: torch.Tensor,

@@ -195,3 +195,33 @@ class StaticTree:
     @property
     def num_leaves(self) -> int:
         return len(self.leaves)
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """An EAGLE-2 dynamic tree's shape (validated by SpeculativeConfig): ``depth`` levels of
+    candidates, ``top_k`` children per frontier node and frontier width, ``total_tokens``
+    verified per request (the root plus ``total_tokens - 1`` nodes)."""
+
+    depth: int
+    top_k: int
+    total_tokens: int
+
+    @property
+    def num_nodes(self) -> int:
+        """N: draft nodes kept per request (the target verifies N + 1 tokens)."""
+        return self.total_tokens - 1
+
+    @property
+    def num_fed(self) -> int:
+        """Frontier nodes the head is fed over all levels (their KV sits after the root)."""
+        return (self.depth - 1) * self.top_k
+
+
+def draft_lookahead(tree: StaticTree | DynamicTree) -> int:
+    """KV slots a request needs past its last token for one tree step: the verified nodes,
+    or the fed frontier nodes when there are more (dynamic trees).
+
+    Example: DynamicTree(depth 5, top_k 4, total_tokens 16) -> max(15, 16) = 16.
+    """
+    return max(tree.num_nodes, getattr(tree, "num_fed", 0))

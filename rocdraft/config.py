@@ -125,7 +125,7 @@ class SpeculativeConfig:
     # the chain length. Static: the seed's string format, "[(0,), (1,), (0, 0)]" (or the
     # parsed nodes), validated by drafter.tree_spec. Dynamic (EAGLE-2): all three of depth,
     # top_k (children per frontier node, and frontier width) and total_tokens (the root plus
-    # the nodes kept). Validated here; the engine refuses trees until tree steps are wired.
+    # the nodes kept). Validated here; with max_draft_tokens_per_step, the batch budget.
     speculative_token_tree: str | tuple | None = None
     tree_depth: int | None = None
     tree_top_k: int | None = None
@@ -208,6 +208,16 @@ class SpeculativeConfig:
         if self.speculative_token_tree is not None:
             return "static"
         return "dynamic" if self.tree_depth is not None else None
+
+    def draft_tree(self):
+        """The tree shape (drafter.tree_spec.StaticTree or DynamicTree), None for a chain."""
+        from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
+
+        if self.speculative_token_tree is not None:
+            return StaticTree(self.speculative_token_tree)
+        if self.tree_depth is not None:
+            return DynamicTree(self.tree_depth, self.tree_top_k, self.tree_total_tokens)
+        return None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,11 @@ they finish) between any two steps:
 
     schedule -> target forward -> rejection sampler -> request updates -> drafter
 
+With a tree config (static or EAGLE-2 dynamic), a step verifies each request's draft tree in
+the same target forward (``spec_mask``), walks it with the tree sampler, compacts the target
+KV cache to the accepted path and drafts the next tree level by level (rocdraft/tree_step.py,
+drafter/tree_draft.py).
+
 ``LLM`` is the offline front end: ``generate`` adds a batch and steps until it is done.
 The engine is not thread-safe: one thread calls add/abort/step (rocdraft/serve runs it in
 its own loop thread).
@@ -27,6 +32,8 @@ from rocdraft.draft_policy import (EXPLORE_EVERY, AcceptanceTracker, StepCosts, 
                                    choose_num_drafts)
 from rocdraft.drafter.eagle import EagleProposer
 from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets, graph_capture_refusal
+from rocdraft.drafter.tree_index import host_depths
+from rocdraft.drafter.tree_spec import draft_lookahead
 from rocdraft.errors import RocdraftError
 from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_block,
                                 plan_kv_cache)
@@ -40,6 +47,7 @@ from rocdraft.sampler import SamplingTensorCache
 from rocdraft.scheduler import Scheduler, ScheduledRequest
 from rocdraft.step_batch import StepBatch, build_step_batch
 from rocdraft.step_costs import EngineParts, measure_step_costs
+from rocdraft.tree_step import compact_target_kv, head_inputs_after_tree, verify_tree_step
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,19 +81,23 @@ class LLMEngine:
             raise RocdraftError(f"device {device!r} requested but no GPU is visible; use cpu")
         check_sizing(num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
                      on_gpu=device != "cpu")
-        if speculative_config is not None and speculative_config.tree_kind:
-            _refuse_tree(speculative_config, attention_backend, draft_attention_backend)
+        spec = speculative_config
+        self.tree = spec.draft_tree() if spec is not None else None
+        if self.tree is not None:
+            _check_tree(spec, self.tree, attention_backend, draft_attention_backend,
+                        max_num_batched_tokens, max_model_len)
         self.config = EngineConfig(target=target, draft=draft, speculative=speculative_config,
                                    dtype=dtype, device=device,
                                    attention_backend=attention_backend,
                                    draft_attention_backend=draft_attention_backend)
         self.device, self.torch_dtype = device, _DTYPES[dtype]
         kind = "cpu" if device == "cpu" else platform.kind
-        spec = speculative_config
+        tree_features = (Feature.TREE_DRAFTING,) if self.tree is not None else ()
         self.target, self.tokenizer, self.backend = load_target_model(
             target, self.torch_dtype, device, kind, block_size,
             attention_backend or envs.checked_backend(envs.ATTENTION_BACKEND,
-                                                      registry.registered_names()))
+                                                      registry.registered_names()),
+            tree_features)
         cfg = self.target.config
         self.max_model_len = min(max_model_len if max_model_len is not None
                                  else cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -96,12 +108,14 @@ class LLMEngine:
         self.aux_layer_ids: tuple[int, ...] = ()  # target layers whose inputs EAGLE-3 reads
         self.draft_graph_refusal: str | None = "no speculative decoding"
         k = spec.num_speculative_tokens if spec else 0
+        # Slots a request needs past its tokens for the drafts of one step.
+        lookahead = draft_lookahead(self.tree) if self.tree is not None else k
         cache_specs = [self.target.kv_cache_spec()]
         if spec:
             cache_specs.append(head_cache_spec(self.config.draft, spec.method))
         self.kv_cache_plan = plan_kv_cache(
             block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-            num_lookahead_tokens=k, bytes_per_block=kv_bytes_per_block(
+            num_lookahead_tokens=lookahead, bytes_per_block=kv_bytes_per_block(
                 block_size, self.torch_dtype.itemsize, cache_specs),
             num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -111,7 +125,7 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=block_size, num_blocks=num_blocks,
-            num_lookahead_tokens=k)
+            num_lookahead_tokens=lookahead)
         num_layers, num_kv_heads, head_dim = self.target.kv_cache_spec()
         self.kv_caches = allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads,
                                            head_dim, self.torch_dtype, device)
@@ -120,8 +134,9 @@ class LLMEngine:
                                 max_num_batched_tokens)
         self.scheduler = Scheduler(self.scheduler_config)
         self.requests: dict = {}  # request id -> Request, in flight (added, not yet reported done)
-        # Counters over every step this engine ran (generate() also keeps its own call's).
-        self.stats = GenerationStats(num_speculative_tokens=k)
+        # Counters over every step this engine ran (generate() also keeps its own call's);
+        # positions are chain positions, or tree depths.
+        self.stats = GenerationStats(num_speculative_tokens=self._num_positions())
         self.last_stats = GenerationStats()
         self.sampling_cache = SamplingTensorCache()  # a batch's sampling tensors, kept across steps
         # True: synchronise a GPU at each phase boundary so the time split is exact (bench).
@@ -136,7 +151,7 @@ class LLMEngine:
             self.config.draft, self.target, spec.method, self.torch_dtype, self.device, kind,
             block_size, self.backend.name, self.config.draft_attention_backend,
             spec.num_speculative_tokens, need_graphs=kind != "cpu" and not spec.enforce_eager,
-            arch=arch)
+            arch=arch, features=(Feature.TREE_DRAFTING,) if self.tree is not None else ())
         self.draft_backend, self.draft_backend_reason = draft_selection.backend, \
             draft_selection.reason
         log.info("draft attention backend %s: %s", self.draft_backend.name,
@@ -158,10 +173,12 @@ class LLMEngine:
             self.head, self.draft_backend, spec.num_speculative_tokens,
             max_num_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len, block_size=block_size,
-            vocab_size=self.target.config.vocab_size, device=self.device)
+            vocab_size=self.target.config.vocab_size, device=self.device, tree=self.tree)
         self.proposer.validate_kv_caches(self.draft_kv_caches)
         self.draft_graph_refusal = graph_capture_refusal(self.draft_backend, self.device,
                                                          spec.enforce_eager)
+        if self.draft_graph_refusal is None and self.tree is not None:
+            self.draft_graph_refusal = "tree levels run eagerly (no tree graphs yet)"
         if self.draft_graph_refusal is None and spec.num_speculative_tokens > 1:
             self.proposer.graph_runner = DraftLoopRunner(
                 self.proposer, self.draft_kv_caches, self.head.config.hidden_size,
@@ -298,18 +315,32 @@ class LLMEngine:
                 (s.request.params.seed, len(s.request.output_token_ids))
                 if samples and s.request.params.seed is not None else None
                 for s, samples in zip(scheduled, batch.samples)])
-        sampled = rejection_sample(logits, batch.draft_token_ids, batch.num_draft_tokens,
-                                   batch.num_draft_tokens_cpu, sampling)
+        verified_tree = None
+        if batch.draft_parents is not None:  # a tree step: walk, then compact the target KV
+            verified_tree = verify_tree_step(logits, batch, sampling, self.tree.depth)
+            sampled = verified_tree.sampled
+            compact_target_kv(self.kv_caches, batch, verified_tree,
+                              self.scheduler_config.block_size)
+        else:
+            sampled = rejection_sample(logits, batch.draft_token_ids, batch.num_draft_tokens,
+                                       batch.num_draft_tokens_cpu, sampling)
         t3 = self._clock()
         drafts, num_drafts = None, 0
         if self.proposer is not None:
             num_drafts = self._choose_num_drafts(scheduled)
         if num_drafts or (self.proposer is not None and self._has_prefill(scheduled)):
             hidden = out.aux_hidden_states if self.aux_layer_ids else out.hidden_states
-            drafts = self._propose(batch, sampled, hidden, max(num_drafts, 1))
+            if self.tree is not None:
+                drafts = self._propose_tree(batch, sampled, hidden, verified_tree)
+            else:
+                drafts = self._propose(batch, sampled, hidden, max(num_drafts, 1))
         t4 = self._clock()
         sampled_cpu = sampled.tolist()  # the one device-to-host sync of a step
         drafts_cpu = drafts.tolist() if drafts is not None else None
+        if self.tree is not None and drafts_cpu is not None:  # rows: (tokens, parents)
+            width = self.tree.num_nodes
+            drafts_cpu = [(row[:int(row[-1])], row[width:width + int(row[-1])])
+                          for row in drafts_cpu]
         advanced = self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu,
                                          stats, num_drafts)
         t5 = self._clock()
@@ -340,6 +371,8 @@ class LLMEngine:
         ``draft_policy="cost"`` the count maximising expected tokens per second
         (rocdraft/draft_policy.py). 0: the drafter is skipped unless a prompt is in the step."""
         spec = self.config.speculative
+        if self.tree is not None:  # the tree's own shape (and batch budget) decide
+            return self.tree.num_nodes
         batch_size = len(scheduled)
         cap = self.drafts_per_request(batch_size)
         if spec.draft_policy == "fixed" or cap == 0:
@@ -368,7 +401,7 @@ class LLMEngine:
         batch this scheduler's queue can form, while no request holds KV blocks (the dummy
         forwards may then write anywhere in the caches)."""
         spec = self.config.speculative
-        if spec.draft_policy != "cost" or self.given_step_costs is not None \
+        if spec.draft_policy != "cost" or self.given_step_costs is not None or self.tree \
                 or scheduler.running \
                 or scheduler.allocator.num_free_blocks != self.scheduler_config.num_blocks:
             return
@@ -418,6 +451,45 @@ class LLMEngine:
                                 torch.tensor(next_ids, device=self.device), last, common,
                                 self.draft_kv_caches, num_drafts=num_drafts)
 
+    def _propose_tree(self, batch: StepBatch, sampled: torch.Tensor, hidden,
+                      verified_tree) -> torch.Tensor:
+        """Draft each row's next tree -> [B, 2N + 1] int64: tokens, parents, node count.
+        After a tree step the batch is first reordered root + accepted path first, which
+        makes the head's first forward the chain's (padded, or unpadded on the host)."""
+        proposer, spec = self.proposer, self.config.speculative
+        if verified_tree is not None:
+            batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
+        budget = spec.max_draft_tokens_per_step
+        if spec.padded_drafting:
+            next_ids, _, indices, _ = proposer.prepare_padded(
+                sampled, batch.discard_request, batch.backup_next_token_ids, batch.common,
+                batch.num_draft_tokens)
+            trees = proposer.propose_tree(batch.input_ids, batch.positions, hidden, next_ids,
+                                          indices, batch.common, self.draft_kv_caches, budget)
+        else:
+            sampled_cpu = sampled.tolist()
+            next_ids = proposer.prepare_next_token_ids_cpu(
+                sampled_cpu, batch.discard_request.tolist(),
+                batch.backup_next_token_ids.tolist())
+            num_rejected = torch.tensor([
+                d + 1 - sum(t >= 0 for t in row) if d > 0 else 0
+                for d, row in zip(batch.num_draft_tokens_cpu, sampled_cpu)], dtype=torch.int32)
+            common, kept = proposer.prepare_inputs(batch.common, num_rejected)
+            hidden = tuple(h[kept] for h in hidden) if isinstance(hidden, tuple) \
+                else hidden[kept]
+            last = (common.query_start_loc[1:] - 1).long()
+            trees = proposer.propose_tree(batch.input_ids[kept], batch.positions[..., kept],
+                                          hidden, torch.tensor(next_ids, device=self.device),
+                                          last, common, self.draft_kv_caches, budget)
+        return torch.cat([trees.tokens, trees.parents, trees.num_nodes.view(-1, 1)], dim=1)
+
+    def _num_positions(self) -> int:
+        """Acceptance statistics positions: the chain length, or the tree's depth."""
+        spec = self.config.speculative
+        if spec is None:
+            return 0
+        return self.tree.depth if self.tree is not None else spec.num_speculative_tokens
+
     def _update_requests(self, scheduler: Scheduler, scheduled: list[ScheduledRequest],
                          batch: StepBatch, sampled_cpu, drafts_cpu, stats: GenerationStats,
                          per_request: int = 0) -> list[tuple[Request, list[int]]]:
@@ -433,7 +505,10 @@ class LLMEngine:
             tokens = [t for t in sampled_cpu[row] if t >= 0]
             num_accepted = len(tokens) - 1
             if item.num_draft_tokens:
-                stats.record_verification(item.num_draft_tokens, num_accepted)
+                positions = item.num_draft_tokens
+                if req.spec_parents:  # a tree: its depth is the positions it could accept
+                    positions = host_depths(req.spec_parents)[-1]
+                stats.record_verification(positions, num_accepted, item.num_draft_tokens)
                 req.num_verify_steps += 1
                 req.num_accepted_drafts += num_accepted
                 verified.append(item.num_draft_tokens)
@@ -445,9 +520,13 @@ class LLMEngine:
             if req.is_finished:
                 scheduler.finish(req)
             elif drafts_cpu is not None and per_request:
-                room = min(self.max_model_len - req.num_tokens, per_request)
-                req.spec_token_ids = drafts_cpu[row][:max(room, 0)]
-        if verified:
+                room = max(min(self.max_model_len - req.num_tokens, per_request), 0)
+                if self.tree is not None:  # a BFS prefix of the tree is a tree
+                    tokens, parents = drafts_cpu[row]
+                    req.spec_token_ids, req.spec_parents = tokens[:room], parents[:room]
+                else:
+                    req.spec_token_ids = drafts_cpu[row][:room]
+        if verified and self.tree is None:
             self.acceptance.update(verified, accepted)
         return advanced
 
@@ -477,8 +556,7 @@ class LLM(LLMEngine):
         if self.requests:
             raise RocdraftError(f"generate() called while {len(self.requests)} requests added "
                                 f"with add_request are in flight; step them to completion first")
-        spec = self.config.speculative
-        stats = GenerationStats(num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        stats = GenerationStats(num_speculative_tokens=self._num_positions())
         # Ids private to this call: an int index per prompt wrapped so no user id collides.
         requests = [self._make_request(_BatchIndex(i), p, sp)
                     for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -503,20 +581,24 @@ class LLM(LLMEngine):
         return [self._output(r) for r in requests]
 
 
-def _refuse_tree(spec: SpeculativeConfig, attention_backend: str | None,
-                 draft_attention_backend: str | None) -> None:
-    """Refuse a tree config before any weight loads: a named backend without TREE_DRAFTING
-    (verification and per-level drafting need the tree mask), else because tree steps are
-    not wired into the engine yet (the tree pieces are: drafter/tree_*.py, tree_sampler.py,
-    backends/kv_compact.py)."""
+def _check_tree(spec: SpeculativeConfig, tree, attention_backend: str | None,
+                draft_attention_backend: str | None, max_num_batched_tokens: int,
+                max_model_len: int | None) -> None:
+    """Refuse a tree config before any weight loads: a named target or draft backend without
+    TREE_DRAFTING (verification and per-level drafting need the tree mask; the error names
+    the backends that have it), or a tree larger than the verification buffers."""
     for role, name in (("target", attention_backend or envs.attention_backend()),
                        ("draft", draft_attention_backend or envs.draft_attention_backend())):
         if name:
             registry.require(name, Feature.TREE_DRAFTING, f"{spec.tree_kind} tree drafting "
                              f"needs a tree mask in the {role} backend")
-    raise RocdraftError(f"{spec.tree_kind} tree drafting is validated but the engine does not "
-                        f"run tree steps yet; use chain drafting (num_speculative_tokens="
-                        f"{spec.num_speculative_tokens}) without the tree fields")
+    verified = tree.num_nodes + 1
+    for name, limit in (("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_model_len", max_model_len)):
+        if limit is not None and verified > limit:
+            raise RocdraftError(f"the {spec.tree_kind} tree verifies {verified} tokens per "
+                                f"request (root + {tree.num_nodes} nodes), more than {name} "
+                                f"{limit}; use a smaller tree or raise {name}")
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,13 @@ from rocdraft.models.tokenizer import load_tokenizer
 
 
 def load_target_model(path: str, dtype: torch.dtype, device: str, platform_kind: str,
-                      block_size: int, backend_name: str | None):
-    """-> (target model, tokenizer or None, attention backend class)."""
+                      block_size: int, backend_name: str | None,
+                      features: tuple[registry.Feature, ...] = ()):
+    """-> (target model, tokenizer or None, attention backend class). ``features``: what the
+    target's backend must declare besides the model's shapes (TREE_DRAFTING for trees)."""
     config = load_model_config(path)
     req = registry.ModelRequirements(block_size=block_size, head_dim=config.head_dim,
-                                     dtype=dtype)
+                                     dtype=dtype, features=features)
     backend = registry.select_backend(platform_kind, backend_name, req).backend
     model = load_target(path, dtype, device, backend)
     return model, load_tokenizer(path), backend
@@ -24,12 +26,14 @@ def load_target_model(path: str, dtype: torch.dtype, device: str, platform_kind:
 def load_draft_head(path: str, target, method: str, dtype: torch.dtype, device: str,
                     platform_kind: str, block_size: int, target_backend: str,
                     explicit: str | None, num_speculative_tokens: int, need_graphs: bool,
-                    arch: str | None = None) -> tuple[torch.nn.Module, registry.Selection]:
+                    arch: str | None = None, features: tuple[registry.Feature, ...] = ()
+                    ) -> tuple[torch.nn.Module, registry.Selection]:
     """-> (EAGLE head, the Selection of its attention backend). The backend is chosen by
     ``registry.select_draft_backend`` (``explicit``, else ROCDRAFT_DRAFT_ATTENTION_BACKEND, else
     by what the draft loop needs); the head's format must match ``method``."""
     head_dim = HeadConfig.from_dict(read_config_json(path)).head_dim
-    req = registry.ModelRequirements(block_size=block_size, head_dim=head_dim, dtype=dtype)
+    req = registry.ModelRequirements(block_size=block_size, head_dim=head_dim, dtype=dtype,
+                                     features=features)
     selection = registry.select_draft_backend(platform_kind, target_backend, explicit, req,
                                               num_speculative_tokens, need_graphs, arch)
     head = load_draft(path, target, dtype, device, selection.backend)

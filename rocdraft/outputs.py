@@ -37,6 +37,7 @@ class GenerationStats:
     num_verify_steps: int = 0
     num_accepted_drafts: int = 0
     num_preemptions: int = 0
+    num_verified_nodes: int = 0  # drafts verified (chain drafts or tree nodes), all steps
     accepted_at_position: list[int] = field(default_factory=list)
     proposed_at_position: list[int] = field(default_factory=list)
     time_s: dict[str, float] = field(default_factory=lambda: {
@@ -50,7 +51,7 @@ class GenerationStats:
     def merge(self, other: "GenerationStats") -> None:
         """Add ``other``'s counters and times to these (same number of positions)."""
         for name in ("generated_tokens", "num_steps", "num_verify_steps",
-                     "num_accepted_drafts", "num_preemptions"):
+                     "num_accepted_drafts", "num_preemptions", "num_verified_nodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.accepted_at_position, other.accepted_at_position),
                              (self.proposed_at_position, other.proposed_at_position)):
@@ -59,9 +60,14 @@ class GenerationStats:
         for phase, seconds in other.time_s.items():
             self.time_s[phase] = self.time_s.get(phase, 0.0) + seconds
 
-    def record_verification(self, num_drafts: int, num_accepted: int) -> None:
+    def record_verification(self, num_drafts: int, num_accepted: int,
+                            num_nodes: int | None = None) -> None:
+        """One request-step: num_drafts positions it could accept (a chain's length, a
+        tree's depth), num_accepted of them accepted, num_nodes drafts verified (default
+        num_drafts; a tree's node count)."""
         self.num_verify_steps += 1
         self.num_accepted_drafts += num_accepted
+        self.num_verified_nodes += num_drafts if num_nodes is None else num_nodes
         for j in range(num_drafts):
             self.proposed_at_position[j] += 1
             if j < num_accepted:
@@ -72,6 +78,11 @@ class GenerationStats:
         if not self.num_verify_steps:
             return 0.0
         return (self.num_accepted_drafts + self.num_verify_steps) / self.num_verify_steps
+
+    @property
+    def nodes_per_verify_step(self) -> float:
+        """Drafts (tree nodes) verified per request-step that verified any."""
+        return self.num_verified_nodes / self.num_verify_steps if self.num_verify_steps else 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:

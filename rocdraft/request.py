@@ -23,6 +23,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts awaiting verification
+    # Tree drafting: the parent of each draft (-1 = the root, the last sampled token) in BFS
+    # order, so any prefix is a tree; empty for a chain (draft j's parent is draft j - 1).
+    spec_parents: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None
@@ -61,7 +64,15 @@ class Request:
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
-        self.spec_token_ids = []
+        self.clear_drafts()
+
+    def clear_drafts(self) -> None:
+        self.spec_token_ids, self.spec_parents = [], []
+
+    def keep_drafts(self, num_drafts: int) -> None:
+        """Keep the first ``num_drafts`` drafts (a BFS prefix of a tree is a tree)."""
+        self.spec_token_ids = self.spec_token_ids[:num_drafts]
+        self.spec_parents = self.spec_parents[:num_drafts]
 
     def append_tokens(self, tokens: list[int], max_model_len: int) -> int:
         """Append accepted tokens, stopping at EOS / a stop id / max_tokens / max_model_len.

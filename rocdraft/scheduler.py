@@ -56,7 +56,8 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.allocator.free(victim.block_ids)
-        victim.block_ids, victim.num_computed_tokens, victim.spec_token_ids = [], 0, []
+        victim.block_ids, victim.num_computed_tokens = [], 0
+        victim.clear_drafts()
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -85,7 +86,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue
             req.block_ids += self.allocator.allocate(self._blocks_for(req, num_new + num_drafts))
-            req.spec_token_ids = drafts[:num_drafts]
+            req.keep_drafts(num_drafts)
             scheduled.append(ScheduledRequest(req, num_new + num_drafts, num_drafts))
             budget -= num_new + num_drafts
         while self.waiting and not preempted and budget > 0 \
@@ -125,4 +126,4 @@ class Scheduler:
         """Advance ``num_computed_tokens``: the scheduled tokens minus rejected drafts."""
         rejected = item.num_draft_tokens - num_accepted_drafts
         item.request.num_computed_tokens += item.num_new_tokens - rejected
-        item.request.spec_token_ids = []
+        item.request.clear_drafts()

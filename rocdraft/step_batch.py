@@ -7,6 +7,7 @@ import torch
 
 from rocdraft.backends.kv_cache import PADDING_SLOT_ID
 from rocdraft.backends.metadata import CommonAttentionMetadata
+from rocdraft.drafter.tree_index import host_depths, verify_tree_mask
 from rocdraft.platform import host_to_device
 from rocdraft.scheduler import ScheduledRequest
 
@@ -23,6 +24,9 @@ class StepBatch:
     samples: list[bool]  # [batch_size] the request reaches its last token this step
     discard_request: torch.Tensor  # [batch_size] bool, not samples: drafts are discarded
     backup_next_token_ids: torch.Tensor  # [batch_size] next prompt token of partial prefills
+    # Tree steps: each draft's parent (-1 = the root, also for padding) [batch_size, max_drafts]
+    # int64, and common.spec_mask is [batch_size, max_drafts + 1, max_drafts + 1]. None: chain.
+    draft_parents: torch.Tensor | None = None
 
     @property
     def max_drafts(self) -> int:
@@ -37,16 +41,29 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     followed by its ``d`` drafts; the logits that verify them sit at its last ``d + 1``
     tokens (``sample_indices``). Unallocated block-table entries are -1, so any slot computed
     from them is negative and never written.
+
+    Tree drafts (``request.spec_parents`` set, the tree contract): draft i sits at sequence
+    index L + 1 + i (its slot) with RoPE position L + depth(i), and ``common.spec_mask`` lets
+    each see only its ancestors (``drafter.tree_index.verify_tree_mask``).
     """
     ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
     max_drafts = max((s.num_draft_tokens for s in scheduled), default=0)
     sample_rows, draft_rows, backups, table_rows = [], [], [], []
+    tree_parents: list[list[int]] = []
+    is_tree = any(s.request.spec_parents for s in scheduled if s.num_draft_tokens)
     for item in scheduled:
         req, n, d = item.request, item.num_new_tokens, item.num_draft_tokens
         start = req.num_computed_tokens
         ids += req.token_ids_slice(start, start + n - d)
         ids += req.spec_token_ids[:d]
-        positions += range(start, start + n)
+        if is_tree:
+            parents = req.spec_parents[:d]
+            tree_parents.append(parents)
+            root = start + n - d - 1  # the last token before the drafts
+            positions += range(start, root + 1)
+            positions += [root + depth for depth in host_depths(parents)]
+        else:
+            positions += range(start, start + n)
         blocks = req.block_ids
         # Slot of position p: blocks[p // block_size] * block_size + p % block_size (host
         # ints: one tensor per step instead of a gather per request).
@@ -65,6 +82,13 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
                                                                    max_blocks_per_seq)
     common = CommonAttentionMetadata.from_cpu(qsl, seq_lens, block_table,
                                               torch.tensor(slots, dtype=torch.long), device)
+    draft_parents = None
+    if is_tree:
+        common = common.with_updates(spec_mask=host_to_device(
+            verify_tree_mask(tree_parents, max_drafts + 1), device))
+        draft_parents = host_to_device(torch.tensor(
+            [p + [-1] * (max_drafts - len(p)) for p in tree_parents],
+            dtype=torch.long).view(len(scheduled), max_drafts), device)
     num_drafts = [s.num_draft_tokens for s in scheduled]
     samples = [s.completes_prefill for s in scheduled]
 
@@ -77,4 +101,4 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         draft_token_ids=dev(draft_rows).view(len(scheduled), max_drafts),
         num_draft_tokens=dev(num_drafts), num_draft_tokens_cpu=num_drafts, samples=samples,
         discard_request=dev([not s for s in samples], torch.bool),
-        backup_next_token_ids=dev(backups))
+        backup_next_token_ids=dev(backups), draft_parents=draft_parents)

@@ -430,12 +430,16 @@ TREE_CONFIGS = [SpeculativeConfig(speculative_token_tree="[(0,), (1,), (0, 0)]")
 
 
 @pytest.mark.parametrize("spec", TREE_CONFIGS, ids=["static", "dynamic"])
-def test_tree_config_refused_before_weights_load(tmp_path, spec):
+@pytest.mark.parametrize("limit", ["max_num_batched_tokens", "max_model_len"])
+def test_tree_larger_than_the_verification_buffers_is_refused_before_weights_load(
+        tmp_path, spec, limit):
     missing = str(tmp_path / "no_such_checkpoint")  # loading anything would fail differently
+    size = spec.draft_tree().num_nodes  # one token short of root + nodes
     with pytest.raises(RocdraftError) as exc:
-        LLM(missing, draft=missing, speculative_config=spec)
-    assert f"{spec.tree_kind} tree drafting" in str(exc.value)
-    assert "does not run tree steps yet" in str(exc.value)
+        LLM(missing, draft=missing, speculative_config=spec, **{limit: size})
+    message = str(exc.value)
+    assert f"{spec.tree_kind} tree verifies {size + 1} tokens" in message
+    assert f"{limit} {size}" in message and "\n" not in message
 
 
 @pytest.mark.parametrize("role", ["attention_backend", "draft_attention_backend"])
