@@ -143,35 +143,82 @@ def compact_kv_reference(cache: LayerKVCache, block_table: torch.Tensor,
                      accepted_nodes, num_accepted, block_size)
     if accepted_nodes.numel() == 0:  # a static shape, not a device read
         return
+    apply_kv_moves(cache, plan_kv_moves(block_table, context_lens, accepted_nodes, num_accepted,
+                                        block_size, cache.num_blocks), block_size)
+
+
+def plan_kv_moves(block_table: torch.Tensor, context_lens: torch.Tensor,
+                  accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, block_size: int,
+                  num_blocks: int) -> tuple[torch.Tensor, ...]:
+    """The moves of ``compact_kv_moves`` ready to apply to any layer of one cache group:
+    -> (valid [M, 1, 1] bool, src_slot [M], target_slot [M] (invalid moves redirected to the
+    first valid one's destination, else slot 0), anchor [1] (that first valid move's index),
+    anchor_valid [1, 1, 1], anchor_target [1])."""
     valid, src_slot, dst_slot = compact_kv_moves(block_table, context_lens, accepted_nodes,
-                                                 num_accepted, block_size, cache.num_blocks)
+                                                 num_accepted, block_size, num_blocks)
     anchor = valid.int().argmax().view(1)
     anchor_valid = valid.index_select(0, anchor)
     target = torch.where(valid, dst_slot, torch.where(anchor_valid, dst_slot[anchor], 0))
+    return (valid.view(-1, 1, 1), src_slot, target, anchor, anchor_valid.view(1, 1, 1),
+            target.index_select(0, anchor))
+
+
+def apply_kv_moves(cache: LayerKVCache, plan: tuple[torch.Tensor, ...], block_size: int
+                   ) -> None:
+    """Apply ``plan_kv_moves``'s moves to one layer (every source read before any write):
+    float caches copy whole [Hk, D] slot rows (exact), fp8 ones go through integer views."""
+    valid, src_slot, target, anchor, anchor_valid, anchor_target = plan
     for store, is_value in ((cache.key, False), (cache.value, True)):
-        bits = bits_view(store)
+        bits = bits_view(store) if store.dtype in FP8_DTYPES else store
         if cache.layout == NHD:
             num_kv_heads, head_dim = store.shape[2], store.shape[3]
         else:
             num_kv_heads, head_dim = store.shape[1], cache.value.shape[3]
+        if cache.layout == NHD and bits.is_contiguous():  # a slot is one [Hk, D] row
+            flat = bits.view(-1, num_kv_heads, head_dim)
+            rows = flat.index_select(0, src_slot)  # [M, Hk, D]: every read first
+            anchor_rows = torch.where(anchor_valid, rows.index_select(0, anchor),
+                                      flat.index_select(0, anchor_target))
+            flat.index_copy_(0, target, torch.where(valid, rows, anchor_rows))
+            continue
 
         def index(slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return _element_index(cache.layout, bits, slots // block_size, slots % block_size,
                                   num_kv_heads, head_dim, is_value)
 
-        rows = bits[index(src_slot)]  # [B * D, num_kv_heads, head_dim]: every read first
-        anchor_rows = torch.where(anchor_valid.view(1, 1, 1), rows.index_select(0, anchor),
-                                  bits[index(target.index_select(0, anchor))])
-        bits[index(target)] = torch.where(valid.view(-1, 1, 1), rows, anchor_rows)
+        rows = bits[index(src_slot)]  # [M, num_kv_heads, head_dim]: every read first
+        anchor_rows = torch.where(anchor_valid, rows.index_select(0, anchor),
+                                  bits[index(anchor_target)])
+        bits[index(target)] = torch.where(valid, rows, anchor_rows)
 
 
-def compact_kv(cache: LayerKVCache, block_table: torch.Tensor, context_lens: torch.Tensor,
-               accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, block_size: int,
-               implementation: str | None = None) -> None:
-    """Compact ``cache`` in place (module docstring). ``implementation`` None picks: on a GPU
-    the HIP/CUDA extension when it is built, else the Triton kernel; on the CPU the torch
-    reference. "hip" (through the CPU shim on CPU tensors, once loaded), "triton" or
-    "reference" force one. All give identical bytes."""
+def compact_kv_layers(caches: list[LayerKVCache], block_table: torch.Tensor,
+                      context_lens: torch.Tensor, accepted_nodes: torch.Tensor,
+                      num_accepted: torch.Tensor, block_size: int,
+                      implementation: str | None = None) -> None:
+    """``compact_kv`` over every layer of one cache group (same blocks and block size): the
+    reference plans the moves once and applies them per layer; the kernels run per layer."""
+    if not caches:
+        return
+    implementation = _pick(caches[0], implementation)
+    if implementation != "reference":
+        for cache in caches:
+            compact_kv(cache, block_table, context_lens, accepted_nodes, num_accepted,
+                       block_size, implementation)
+        return
+    for cache in caches:
+        check_compact_kv(cache.key, cache.value, cache.layout, block_table, context_lens,
+                         accepted_nodes, num_accepted, block_size)
+    if accepted_nodes.numel() == 0:
+        return
+    plan = plan_kv_moves(block_table, context_lens, accepted_nodes, num_accepted, block_size,
+                         caches[0].num_blocks)
+    for cache in caches:
+        apply_kv_moves(cache, plan, block_size)
+
+
+def _pick(cache: LayerKVCache, implementation: str | None) -> str:
+    """The implementation ``compact_kv`` runs (its docstring's rule)."""
     if implementation is None:
         implementation = "reference"
         if cache.key.is_cuda:
@@ -181,6 +228,17 @@ def compact_kv(cache: LayerKVCache, block_table: torch.Tensor, context_lens: tor
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown compact_kv implementation {implementation!r}; valid: "
                          f"{IMPLEMENTATIONS}")
+    return implementation
+
+
+def compact_kv(cache: LayerKVCache, block_table: torch.Tensor, context_lens: torch.Tensor,
+               accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, block_size: int,
+               implementation: str | None = None) -> None:
+    """Compact ``cache`` in place (module docstring). ``implementation`` None picks: on a GPU
+    the HIP/CUDA extension when it is built, else the Triton kernel; on the CPU the torch
+    reference. "hip" (through the CPU shim on CPU tensors, once loaded), "triton" or
+    "reference" force one. All give identical bytes."""
+    implementation = _pick(cache, implementation)
     if implementation == "reference":
         compact_kv_reference(cache, block_table, context_lens, accepted_nodes, num_accepted,
                              block_size)

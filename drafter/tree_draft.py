@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from rocdraft.backends.metadata import CommonAttentionMetadata
-from rocdraft.drafter.tree_index import level_inputs
-from rocdraft.drafter.tree_math import (ancestor_mask, expand_frontier, select_frontier,
+from rocdraft.drafter.tree_index import level_schedule
+from rocdraft.drafter.tree_math import (expand_frontier, extend_ancestor_mask, select_frontier,
                                         select_tree, select_tree_batch_budget)
 from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
 
@@ -48,6 +48,12 @@ class TreeDrafter:
         self.proposer, self.tree = proposer, tree
         self.head, self.builder = proposer.head, proposer.builder
         device = proposer.device
+        # The fed indices' level ends: static trees feed levels 1 .. D - 1, dynamic ones
+        # top_k frontier nodes per level.
+        if isinstance(tree, StaticTree):
+            self.level_ends = tuple(tree.level_starts[1:tree.depth])
+        else:
+            self.level_ends = tuple(d * tree.top_k for d in range(1, tree.depth))
         if isinstance(tree, StaticTree):
             # Node-only ancestor mask (the root is the context row P, always visible).
             self.node_mask = tree.ancestor_mask[1:, 1:].to(device)
@@ -64,24 +70,29 @@ class TreeDrafter:
         if root_positions.dim() != 1:
             raise ValueError(f"tree drafting needs 1-D positions, got shape "
                              f"{tuple(root_positions.shape)} (M-RoPE is not supported)")
+        proposer = self.proposer
+        schedule = None
+        if self.level_ends:
+            schedule = level_schedule(root_positions, self.level_ends, block_table,
+                                      proposer.block_size, proposer.max_model_len)
         if isinstance(self.tree, StaticTree):
-            return self._static(root_hidden, root_positions, block_table, kv_caches,
-                                seq_len_bound, budget_nodes)
-        return self._dynamic(root_hidden, root_positions, block_table, kv_caches,
-                             seq_len_bound, budget_nodes)
+            return self._static(root_hidden, schedule, block_table, kv_caches, seq_len_bound,
+                                budget_nodes)
+        return self._dynamic(root_hidden, schedule, block_table, kv_caches, seq_len_bound,
+                             budget_nodes)
 
     # --- one level ------------------------------------------------------------------------
 
-    def _level(self, token_ids: torch.Tensor, hidden: torch.Tensor, root_positions: torch.Tensor,
-               start: int, end: int, depth: int, mask: torch.Tensor, block_table: torch.Tensor,
-               kv_caches, seq_len_bound: int) -> torch.Tensor:
+    def _level(self, token_ids: torch.Tensor, hidden: torch.Tensor, schedule, start: int,
+               end: int, depth: int, mask: torch.Tensor, block_table: torch.Tensor, kv_caches,
+               seq_len_bound: int) -> torch.Tensor:
         """Feed fed nodes start .. end - 1 of every request: token_ids [B, n], hidden
-        [B, n, H] (each node's parent's output), mask [end, end] or [B, end, end]
-        -> output hidden [B, n, H]."""
+        [B, n, H] (each node's parent's output), schedule: ``level_schedule``'s tensors,
+        mask [end, end] or [B, end, end] -> output hidden [B, n, H]."""
         proposer = self.proposer
         batch, width = token_ids.shape
-        positions, slots, seq_lens = level_inputs(root_positions, start, end, depth, block_table,
-                                                  proposer.block_size, proposer.max_model_len)
+        positions, slots = schedule[0][:, start:end], schedule[1][:, start:end]
+        seq_lens = schedule[2][:, depth - 1]
         max_seq_len = min(seq_len_bound + end, proposer.max_model_len)
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=token_ids.device) * width
         common = CommonAttentionMetadata(
@@ -104,7 +115,7 @@ class TreeDrafter:
 
     # --- static trees ---------------------------------------------------------------------
 
-    def _static(self, root_hidden, root_positions, block_table, kv_caches, seq_len_bound,
+    def _static(self, root_hidden, schedule, block_table, kv_caches, seq_len_bound,
                 budget_nodes) -> TreeDrafts:
         tree, head = self.tree, self.head
         batch = root_hidden.shape[0]
@@ -121,8 +132,8 @@ class TreeDrafter:
             else:  # each node's parent sits in the previous level's outputs
                 local = self.parents[start:end] - starts[depth - 2]
                 hidden = level_out[:, local]
-            level_out = self._level(tokens[:, start:end], hidden, root_positions, start, end,
-                                    depth, self.node_mask[:end, :end], block_table, kv_caches,
+            level_out = self._level(tokens[:, start:end], hidden, schedule, start, end, depth,
+                                    self.node_mask[:end, :end], block_table, kv_caches,
                                     seq_len_bound)  # [B, n_d, H]
             k = topk[depth]
             top = self._logits(level_out).topk(k, dim=-1).indices.reshape(batch, -1)
@@ -138,7 +149,7 @@ class TreeDrafter:
 
     # --- dynamic trees (EAGLE-2) ------------------------------------------------------------
 
-    def _dynamic(self, root_hidden, root_positions, block_table, kv_caches, seq_len_bound,
+    def _dynamic(self, root_hidden, schedule, block_table, kv_caches, seq_len_bound,
                  budget_nodes) -> TreeDrafts:
         tree, head = self.tree, self.head
         batch, top_k = root_hidden.shape[0], self.tree.top_k
@@ -149,13 +160,14 @@ class TreeDrafter:
         all_parents = [torch.full((batch, top_k), -1, dtype=torch.int64, device=device)]
         frontier_scores, frontier_tokens = scores, all_tokens[0]
         frontier_ids = torch.arange(top_k, device=device).expand(batch, top_k)  # candidate ids
-        fed_parents = [torch.full((batch, top_k), -1, dtype=torch.int64, device=device)]
+        fed_parents = torch.full((batch, top_k), -1, dtype=torch.int64, device=device)
+        mask = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)  # over fed nodes
         hidden = root_hidden.unsqueeze(1).expand(batch, top_k, root_hidden.shape[-1])
         offset = top_k  # candidate id of the next level's first candidate
         for depth in range(1, tree.depth):
             start, end = (depth - 1) * top_k, depth * top_k
-            mask = ancestor_mask(torch.cat(fed_parents, dim=1))[:, 1:, 1:]  # [B, end, end]
-            out = self._level(frontier_tokens, hidden, root_positions, start, end, depth, mask,
+            mask = extend_ancestor_mask(mask, fed_parents)  # [B, end, end]
+            out = self._level(frontier_tokens, hidden, schedule, start, end, depth, mask,
                               block_table, kv_caches, seq_len_bound)  # [B, K, H]
             child_logprobs = torch.log_softmax(self._logits(out), dim=-1)  # [B, K, V]
             cand_scores, cand_ids, cand_slot = expand_frontier(frontier_scores, child_logprobs,
@@ -167,7 +179,7 @@ class TreeDrafter:
                 frontier_scores, _, column = select_frontier(cand_scores, cand_ids, top_k)
                 frontier_tokens = all_tokens[-1].gather(1, column)
                 slot = cand_slot.gather(1, column)  # [B, K] the parent's frontier slot
-                fed_parents.append(start + slot)
+                fed_parents = start + slot
                 frontier_ids = offset + column
                 hidden = out.gather(1, slot.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
             offset += top_k * top_k

@@ -127,3 +127,39 @@ def level_inputs(root_positions: torch.Tensor, start: int, end: int, depth: int,
     seq_lens = torch.where(live.view(-1), base.view(-1) + 1 + end,
                            torch.full_like(base.view(-1), end))
     return positions.contiguous(), slots, seq_lens.to(torch.int32)
+
+
+def level_schedule(root_positions: torch.Tensor, level_ends: tuple[int, ...],
+                   block_table: torch.Tensor, block_size: int, max_model_len: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``level_inputs`` of every drafting level at once (one set of ops per step instead of
+    one per level). level_ends (static): level d (1-based) feeds the fed indices
+    ``level_ends[d - 2] .. level_ends[d - 1] - 1`` (from 0 for d = 1)
+    -> (positions [B, F] int64, slots [B, F] int64, seq_lens [B, num_levels] int32), F =
+    level_ends[-1]; level d's columns are its fed indices and its seq_lens column d - 1.
+
+    Example, the ``level_inputs`` example's batch with level_ends (2, 4): request 0 (P 3):
+    positions [4, 4, 5, 5], slots [24, 25, 26, 27], seq_lens [6, 8]; request 1 (P 8, max 12):
+    level 1 is live (8 + 1 + 2 <= 12): positions [9, 9], slots [13, 14], seq_len 11; level 2
+    is dead: positions [0, 0], slots [-1, -1], seq_len 4.
+    """
+    device = block_table.device
+    num_fed = level_ends[-1]
+    starts = (0,) + tuple(level_ends[:-1])
+    depth_of = torch.tensor([d + 1 for d, (a, b) in enumerate(zip(starts, level_ends))
+                             for _ in range(a, b)], dtype=torch.int64, device=device)  # [F]
+    end_of = torch.tensor([b for a, b in zip(starts, level_ends) for _ in range(a, b)],
+                          dtype=torch.int64, device=device)  # [F]
+    ends = torch.tensor(level_ends, dtype=torch.int64, device=device)  # [num_levels]
+    base = root_positions.long().view(-1, 1)  # [B, 1]
+    live = base + 1 + end_of <= max_model_len  # [B, F]
+    index = base + 1 + torch.arange(num_fed, device=device)  # [B, F]
+    safe = index.masked_fill(~live, 0)
+    column = (safe // block_size).clamp(max=block_table.shape[1] - 1)
+    block_ids = block_table.gather(1, column).long()
+    slots = (block_ids * block_size + safe % block_size).masked_fill(~live | (block_ids < 0),
+                                                                     PADDING_SLOT_ID)
+    positions = (base + depth_of).masked_fill(~live, 0)
+    level_seq = base + 1 + ends  # [B, num_levels]
+    seq_lens = torch.where(level_seq <= max_model_len, level_seq, ends.expand_as(level_seq))
+    return positions, slots, seq_lens.to(torch.int32)

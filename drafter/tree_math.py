@@ -66,6 +66,25 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def extend_ancestor_mask(mask: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """Add a level of nodes to a node-only ancestor mask (no root row): O(1) ops per level
+    instead of ``ancestor_mask``'s O(log N).
+
+    mask [B, n, n] bool (mask[a, b]: b is a or an ancestor of a, over n nodes), parents
+    [B, m] (the new nodes' parents among the n, -1 = the root) -> [B, n + m, n + m]: new node
+    j sees itself and what its parent sees.
+
+    Example: mask [[[1]]] (one node), parents [[0, -1]] -> [[[1, 0, 0], [1, 1, 0], [0, 0, 1]]].
+    """
+    batch, n, _ = mask.shape
+    m = parents.shape[1]
+    rows = mask.gather(1, parents.clamp(min=0).unsqueeze(-1).expand(batch, m, n))  # [B, m, n]
+    rows = rows & (parents >= 0).unsqueeze(-1)
+    eye = torch.eye(m, dtype=torch.bool, device=mask.device).expand(batch, m, m)
+    top = torch.cat([mask, mask.new_zeros(batch, n, m)], dim=2)
+    return torch.cat([top, torch.cat([rows, eye], dim=2)], dim=1)
+
+
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of every node (children of the root have depth 1).
 

@@ -17,6 +17,16 @@ lookup (``prompt_lookup_num_tokens=4``, no draft model) runs at batch size 1 onl
 assisted generation takes one sequence at a time. Greedy outputs are checked: speculative
 against target-only, and target-only against transformers ``generate`` (mismatching prompts
 are counted; at bs > 1 left padding may change float rounding, so only bs 1 is expected exact).
+
+Token trees: with ``--speculative-token-tree`` or the ``--tree-*`` triple the speculative
+system drafts that tree (rows add ``nodes_per_verify_step``, and ``per_depth_acceptance``).
+``--compare chain,static,dynamic`` (any non-empty subset) measures target-only and each named
+speculative system in the same run, rotated like the others, each a separate LLM on the same
+target: ``chain`` the --num-speculative-tokens chain, ``static`` --speculative-token-tree
+(default: EAGLE's default tree), ``dynamic`` the --tree-* triple (default
+``DEFAULT_DYNAMIC_TREE``: depth 5, top-k 4, 16 total tokens). Its rows hold every system under
+``systems`` (speedup, acceptance, per position/depth, nodes per step, time split, greedy check)
+instead of the single-system keys.
 """
 from __future__ import annotations
 
@@ -29,9 +39,14 @@ import time
 
 from rocdraft.bench_peers import PROMPT_LOOKUP_TOKENS, HFPeer
 
-SYSTEM_LABELS = {"target_only": "rocdraft target-only", "speculative": "rocdraft {method} k={k}",
+SYSTEM_LABELS = {"target_only": "rocdraft target-only",
+                 "speculative": "rocdraft {method} chain k={k}",
                  "hf_generate": "transformers generate",
                  "hf_prompt_lookup": f"transformers prompt lookup ({PROMPT_LOOKUP_TOKENS})"}
+COMPARE_SYSTEMS = ("chain", "static", "dynamic")  # --compare names, in report order
+DEFAULT_STATIC_TREE = "eagle"  # --compare static without --speculative-token-tree
+DEFAULT_DYNAMIC_TREE = {"tree_depth": 5, "tree_top_k": 4, "tree_total_tokens": 16}
+TREE_ARGS = ("speculative_token_tree", "tree_depth", "tree_top_k", "tree_total_tokens")
 
 
 def add_bench_args(bench) -> None:
@@ -53,9 +68,14 @@ def add_bench_args(bench) -> None:
     bench.add_argument("--compare-hf", action="store_true",
                        help="also run transformers generate and prompt lookup on the target "
                             "(needs transformers: the test extra)")
+    bench.add_argument("--compare", default=None, metavar="SYSTEMS",
+                       help="comma-separated speculative systems measured side by side with "
+                            "target-only: chain (--num-speculative-tokens), static "
+                            "(--speculative-token-tree, default: EAGLE's default tree), "
+                            "dynamic (--tree-*, default depth 5, top-k 4, 16 total tokens)")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", help="write a PNG: speedup vs batch size, acceptance per "
-                                      "position (needs the plot extra: matplotlib)")
+                                      "position or depth (needs the plot extra: matplotlib)")
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -148,24 +168,82 @@ def _check_args(args) -> list[int]:
         except ImportError:
             raise RocdraftError("--plot needs matplotlib: pip install 'rocdraft[plot]'") from None
         _check_plot_path(args.plot)
+    parse_compare(args)
     return batch_sizes
+
+
+def parse_compare(args) -> list[str] | None:
+    """--compare "dynamic,chain" -> ["chain", "dynamic"] (report order); None without it.
+    Refuses unknown or no names, and tree flags that no compared system uses."""
+    from rocdraft.cli_options import tree_flags_given
+    from rocdraft.errors import RocdraftError
+
+    if args.compare is None:
+        return None
+    names = [n.strip() for n in args.compare.split(",") if n.strip()]
+    unknown = [n for n in names if n not in COMPARE_SYSTEMS]
+    if not names or unknown:
+        raise RocdraftError(f"--compare {args.compare!r}: unknown system(s) "
+                            f"{', '.join(map(repr, unknown)) or '(none given)'}; valid: "
+                            f"{', '.join(COMPARE_SYSTEMS)} (comma separated)")
+    flags = tree_flags_given(args)
+    unused = [f for f in flags if (f == "--speculative-token-tree" and "static" not in names)
+              or (f.startswith("--tree-") and "dynamic" not in names)]
+    if unused:
+        raise RocdraftError(f"{', '.join(unused)} given but --compare {args.compare!r} runs no "
+                            f"{'static' if unused[0] == '--speculative-token-tree' else 'dynamic'}"
+                            f" tree; add it to --compare or drop the flag")
+    return [n for n in COMPARE_SYSTEMS if n in names]
+
+
+def system_args(args, name: str):
+    """The flags of one --compare system: the chain without tree flags, the static tree
+    (default EAGLE's), the dynamic triple (default DEFAULT_DYNAMIC_TREE)."""
+    values = dict.fromkeys(TREE_ARGS)
+    if name == "static":
+        values["speculative_token_tree"] = args.speculative_token_tree or DEFAULT_STATIC_TREE
+    elif name == "dynamic":
+        given = {k: getattr(args, k) for k in TREE_ARGS[1:] if getattr(args, k) is not None}
+        values.update(given or DEFAULT_DYNAMIC_TREE)
+    return type(args)(**{**vars(args), **values})
+
+
+def system_label(method: str, spec) -> str:
+    """"rocdraft eagle3 k=4", "rocdraft eagle3 dynamic tree d5/k4/n16",
+    "rocdraft eagle3 static tree (25 nodes, depth 5)"."""
+    kind = spec.tree_kind
+    if kind == "dynamic":
+        return (f"rocdraft {method} dynamic tree d{spec.tree_depth}/k{spec.tree_top_k}"
+                f"/n{spec.tree_total_tokens}")
+    if kind == "static":
+        tree = spec.draft_tree()
+        return f"rocdraft {method} static tree ({tree.num_nodes} nodes, depth {tree.depth})"
+    return SYSTEM_LABELS["speculative"].format(method=method, k=spec.num_speculative_tokens)
 
 
 def _run_bench(args) -> int:
     import torch
 
-    from rocdraft.cli_options import make_llm
+    from rocdraft.cli_options import make_llm, tree_description
     from rocdraft.config import SamplingParams
     from rocdraft.errors import RocdraftError
 
     batch_sizes = _check_args(args)
+    compare = parse_compare(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    spec_llm, method = make_llm(args)
-    if method == "none":
-        raise RocdraftError("rocdraft bench compares against speculative decoding; "
-                            "give --method eagle or eagle3 (or use the built-in pair)")
-    args_baseline = type(args)(**{**vars(args), "method": "none", "draft": None})
+    spec_names = compare or ["speculative"]
+    spec_llms = {}
+    for name in spec_names:
+        own = system_args(args, name) if compare else args
+        spec_llms[name], method = make_llm(own)
+        args.dtype = own.dtype  # make_llm fills the default in: the report shows it
+        if method == "none":
+            raise RocdraftError("rocdraft bench compares against speculative decoding; "
+                                "give --method eagle or eagle3 (or use the built-in pair)")
+    spec_llm = spec_llms[spec_names[0]]
+    args_baseline = type(args)(**{**vars(args), "method": "none", "draft": None,
+                                  **dict.fromkeys(TREE_ARGS)})
     if args.target is None:  # built-in pair: same target, no head
         from rocdraft.builtin import builtin_paths
 
@@ -197,8 +275,9 @@ def _run_bench(args) -> int:
             outs += hf.generate(batch, max_tokens or args.max_new_tokens, prompt_lookup)
         return outs, []
 
-    systems = {"target_only": lambda b, m=None: run_rocdraft(base_llm, b, m),
-               "speculative": lambda b, m=None: run_rocdraft(spec_llm, b, m)}
+    systems = {"target_only": lambda b, m=None: run_rocdraft(base_llm, b, m)}
+    for name, llm in spec_llms.items():
+        systems[name] = lambda b, m=None, llm=llm: run_rocdraft(llm, b, m)
     if hf is not None:
         systems["hf_generate"] = lambda b, m=None: run_hf(b, False, m)
         systems["hf_prompt_lookup"] = lambda b, m=None: run_hf(b, True, m)
@@ -206,7 +285,8 @@ def _run_bench(args) -> int:
     def names_for(batch_size: int) -> list[str]:
         return [n for n in systems if n != "hf_prompt_lookup" or batch_size == 1]
 
-    spec_llm.sync_timing = True  # exact time split on GPUs
+    for llm in spec_llms.values():
+        llm.sync_timing = True  # exact time split on GPUs
     total = sum(len(names_for(b)) for b in batch_sizes) * args.repeat
     results, done = [], 0
     for batch_size in batch_sizes:
@@ -217,7 +297,9 @@ def _run_bench(args) -> int:
         for name in names:  # first-use costs (JIT, allocator) are not timed
             systems[name](batches[:1], 8)
         tps = {name: [] for name in names}
-        outputs, stats_sum, identical = {}, None, True
+        outputs = {}
+        stats_sum = dict.fromkeys(spec_names)
+        identical = dict.fromkeys(spec_names, True)
         for r in range(args.repeat):
             for name in rotated(names, r):
                 start = time.perf_counter()
@@ -225,25 +307,33 @@ def _run_bench(args) -> int:
                 elapsed = time.perf_counter() - start
                 tps[name].append(sum(len(o) for o in outs) / elapsed)
                 outputs[name] = outs
-                if name == "speculative":
+                if name in spec_llms:
                     for s in stats:
-                        stats_sum = _merge(stats_sum, s)
+                        stats_sum[name] = _merge(stats_sum[name], s)
                 done += 1
                 _progress(done, total, f"bs {batch_size} {name} run {r + 1}")
             if greedy:
-                identical &= outputs["speculative"] == outputs["target_only"]
-        results.append(_row(batch_size, len(prompts), tps, stats_sum, identical if greedy
-                            else None, outputs if greedy and hf is not None else None))
+                for name in spec_names:
+                    identical[name] &= outputs[name] == outputs["target_only"]
+        results.append(_row(batch_size, len(prompts), tps, stats_sum,
+                            identical if greedy else None,
+                            outputs if greedy and hf is not None else None, compare is None,
+                            {n: llm.config.speculative.tree_kind for n, llm in spec_llms.items()}))
+    labels = {"target_only": SYSTEM_LABELS["target_only"],
+              **{n: system_label(method, llm.config.speculative) for n, llm in spec_llms.items()},
+              **{n: SYSTEM_LABELS[n] for n in systems if n.startswith("hf_")}}
+    trees = {n: tree_description(llm.config.speculative) for n, llm in spec_llms.items()}
     config = {"target": spec_llm.config.target, "draft": spec_llm.config.draft,
               "method": method, "num_speculative_tokens": args.num_speculative_tokens,
+              "compare": compare,
+              **({"trees": trees} if compare else {"tree": trees["speculative"]}),
               "draft_policy": spec_llm.config.speculative.draft_policy,
               "attention_backend": spec_llm.backend.name, "device": spec_llm.device,
               "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "repeat": args.repeat,
               "num_prompts": args.num_prompts, "threads": torch.get_num_threads(),
               "compare_hf": hf is not None,
-              "systems": {n: SYSTEM_LABELS[n].format(method=method, k=args.num_speculative_tokens)
-                          for n in systems},
+              "systems": {n: labels[n] for n in systems},
               "kv_cache": spec_llm.kv_cache_plan.describe(),
               "prompts": args.prompts_file or "held-out standard library modules (r-z)"}
     report = {"config": config, "results": results}
@@ -257,23 +347,24 @@ def _run_bench(args) -> int:
 
 
 def _row(batch_size: int, num_prompts: int, tps: dict, stats_sum: dict,
-         identical: bool | None, outputs: dict | None) -> dict:
+         identical: dict | None, outputs: dict | None, single: bool, kinds: dict) -> dict:
+    """One batch size's figures. ``single`` (no --compare): the one speculative system's
+    figures also sit at the top level under the keys they always had."""
     medians = {name: statistics.median(values) for name, values in tps.items()}
-    split = {k: round(v / max(sum(stats_sum["time_s"].values()), 1e-9), 4)
-             for k, v in stats_sum["time_s"].items()}
     row = {"batch_size": batch_size, "num_prompts": num_prompts,
            "baseline_tokens_per_s": round(medians["target_only"], 2),
-           "spec_tokens_per_s": round(medians["speculative"], 2),
-           "speedup": round(medians["speculative"] / medians["target_only"], 3),
            "tokens_per_s": {name: spread(values) for name, values in tps.items()},
-           "acceptance_length": round(stats_sum["acceptance_length"], 3),
-           "per_position_acceptance": [round(a, 3) for a in stats_sum["per_position"]],
-           "time_split": split}
+           "systems": {name: _system_figures(medians[name] / medians["target_only"], stats,
+                                             None if identical is None else identical[name],
+                                             kinds[name])
+                       for name, stats in stats_sum.items()}}
+    if single:
+        spec = row["systems"]["speculative"]
+        row["spec_tokens_per_s"] = round(medians["speculative"], 2)
+        row.update(spec)
     if "hf_generate" in medians:
         row["vs_hf_generate"] = {name: round(m / medians["hf_generate"], 3)
                                  for name, m in medians.items()}
-    if identical is not None:
-        row["greedy_outputs_identical"] = identical
     if outputs is not None:
         row["hf_generate_mismatches"] = sum(
             a != b for a, b in zip(outputs["target_only"], outputs["hf_generate"]))
@@ -283,11 +374,33 @@ def _row(batch_size: int, num_prompts: int, tps: dict, stats_sum: dict,
     return row
 
 
+def _system_figures(speedup: float, stats_sum: dict, identical: bool | None,
+                    tree_kind: str | None) -> dict:
+    """A speculative system's figures in a row: speedup vs target-only, acceptance length,
+    acceptance per chain position (per tree depth: also ``per_depth_acceptance``), drafts
+    verified per request-step, time split and (greedy) whether its outputs equal
+    target-only's."""
+    split = {k: round(v / max(sum(stats_sum["time_s"].values()), 1e-9), 4)
+             for k, v in stats_sum["time_s"].items()}
+    per_position = [round(a, 3) for a in stats_sum["per_position"]]
+    figures = {"speedup": round(speedup, 3), "tree_kind": tree_kind,
+               "acceptance_length": round(stats_sum["acceptance_length"], 3),
+               "per_position_acceptance": per_position,
+               "nodes_per_verify_step": round(stats_sum["nodes"] / max(stats_sum["steps"], 1), 3),
+               "time_split": split}
+    if tree_kind is not None:
+        figures["per_depth_acceptance"] = per_position
+    if identical is not None:
+        figures["greedy_outputs_identical"] = identical
+    return figures
+
+
 def _merge(acc, stats) -> dict:
     """Accumulate acceptance counters and time over repeated runs."""
-    acc = acc or {"accepted": 0, "steps": 0, "acc_pos": None, "prop_pos": None,
+    acc = acc or {"accepted": 0, "steps": 0, "nodes": 0, "acc_pos": None, "prop_pos": None,
                   "time_s": {k: 0.0 for k in stats.time_s}}
     acc["accepted"] += stats.num_accepted_drafts
+    acc["nodes"] += stats.num_verified_nodes
     acc["steps"] += stats.num_verify_steps
     acc["acc_pos"] = [a + b for a, b in zip(acc["acc_pos"] or [0] * len(
         stats.accepted_at_position), stats.accepted_at_position)]
@@ -303,35 +416,39 @@ def _merge(acc, stats) -> dict:
 def _print_table(report: dict) -> None:
     cfg = report["config"]
     threads = f"{cfg['threads']} torch thread{'s' if cfg['threads'] != 1 else ''}"
-    print(f"rocdraft bench: {cfg['method']} k={cfg['num_speculative_tokens']} on "
+    spec_names = list(report["results"][0]["systems"]) if report["results"] else []
+    print(f"rocdraft bench: {'; '.join(cfg['systems'][n] for n in spec_names)} on "
           f"{cfg['device']} ({cfg['attention_backend']}, {cfg['dtype']}), {threads}, "
           f"{cfg['num_prompts']} prompts x {cfg['max_new_tokens']} new tokens, "
           f"median [min-max] of {cfg['repeat']} repeats")
     peer = cfg["compare_hf"]
-    print(f"{'batch':>5}  {'system':<34} {'tok/s median [min-max]':>26} {'vs target-only':>15}"
-          + (f" {'vs HF generate':>15}" if peer else ""))
+    width = max([34, *(len(label) for label in cfg["systems"].values())])
+    print(f"{'batch':>5}  {'system':<{width}} {'tok/s median [min-max]':>26} "
+          f"{'vs target-only':>15}" + (f" {'vs HF generate':>15}" if peer else ""))
     for r in report["results"]:
         base = r["tokens_per_s"]["target_only"]["median"]
         for name, s in r["tokens_per_s"].items():
             cell = f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
-            line = (f"{r['batch_size']:>5}  {cfg['systems'][name]:<34} {cell:>26} "
+            line = (f"{r['batch_size']:>5}  {cfg['systems'][name]:<{width}} {cell:>26} "
                     f"{s['median'] / base:>14.2f}x")
             if peer:
                 line += f" {r['vs_hf_generate'][name]:>14.2f}x"
             print(line)
-        per_pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
-        print(f"       {r['num_prompts']} prompts; acceptance length "
-              f"{r['acceptance_length']:.2f} (per position {per_pos}); time split: "
-              + ", ".join(f"{k} {v:.0%}" for k, v in r["time_split"].items()))
-        checks = []
-        if "greedy_outputs_identical" in r:
-            checks.append("speculative == target-only: "
-                          + ("yes" if r["greedy_outputs_identical"] else "NO"))
+        print(f"       {r['num_prompts']} prompts")
+        for name, f in r["systems"].items():
+            per = " ".join(f"{a:.2f}" for a in f["per_position_acceptance"])
+            where = "depth" if f["tree_kind"] else "position"
+            same = ""
+            if "greedy_outputs_identical" in f:
+                same = "; greedy == target-only: " + ("yes" if f["greedy_outputs_identical"]
+                                                      else "NO")
+            print(f"       {cfg['systems'][name]}: acceptance length "
+                  f"{f['acceptance_length']:.2f} (per {where} {per}), "
+                  f"{f['nodes_per_verify_step']:.1f} drafts verified per step; time split: "
+                  + ", ".join(f"{k} {v:.0%}" for k, v in f["time_split"].items()) + same)
         if "hf_generate_mismatches" in r:
-            checks.append(f"target-only vs HF generate: {r['hf_generate_mismatches']} of "
-                          f"{r['num_prompts']} prompts differ")
-        if checks:
-            print("       greedy outputs: " + "; ".join(checks))
+            print(f"       greedy outputs: target-only vs HF generate: "
+                  f"{r['hf_generate_mismatches']} of {r['num_prompts']} prompts differ")
 
 
 def _plot(report: dict, path: str) -> None:
@@ -340,18 +457,23 @@ def _plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = report["results"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot([r["batch_size"] for r in results], [r["speedup"] for r in results], "o-")
-    ax1.axhline(1.0, color="gray", linestyle="--")
-    ax1.set(xlabel="batch size", ylabel="speedup (spec / baseline tok/s)",
-            title="Speedup vs batch size")
-    for r in results:
-        ax2.plot(range(1, len(r["per_position_acceptance"]) + 1), r["per_position_acceptance"],
-                 "o-", label=f"bs {r['batch_size']}")
-    ax2.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05),
-            title="Acceptance per draft position")
-    ax2.legend()
+    results, labels = report["results"], report["config"]["systems"]
+    names = list(results[0]["systems"]) if results else []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in names:
+        ax1.plot([r["batch_size"] for r in results],
+                 [r["systems"][name]["speedup"] for r in results], "o-", label=labels[name])
+        for r in results:
+            per = r["systems"][name]["per_position_acceptance"]
+            ax2.plot(range(1, len(per) + 1), per, "o-",
+                     label=f"{labels[name]}, bs {r['batch_size']}")
+    ax1.axhline(1.0, color="gray", linestyle="--", label=labels["target_only"])
+    ax1.set(xlabel="batch size", ylabel="speedup (tok/s vs target-only)",
+            title="Speedup vs batch size", xticks=[r["batch_size"] for r in results])
+    ax1.legend(fontsize="small")
+    ax2.set(xlabel="draft position (chain) or depth (tree)", ylabel="acceptance rate",
+            ylim=(0, 1.05), title="Acceptance per position / depth")
+    ax2.legend(fontsize="small")
     fig.tight_layout()
     _save_atomically(fig, path)
 

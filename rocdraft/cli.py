@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from rocdraft.cli_options import (CliParser, add_model_args, make_llm, prepare_environment,
-                                  read_prompts_file)
+                                  read_prompts_file, tree_description)
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,8 @@ def run_generate(args) -> int:
         "acceptance_length": round(stats.acceptance_length, 4),
         "per_position_acceptance": [round(a, 4) for a in stats.per_position_acceptance],
         "num_verify_steps": stats.num_verify_steps,
+        "tree": tree_description(llm.config.speculative),
+        "nodes_per_verify_step": round(stats.nodes_per_verify_step, 4),
     }
     if args.json:
         print(json.dumps({"outputs": [
@@ -190,8 +192,10 @@ def run_generate(args) -> int:
     accept = ""
     if method != "none":
         per_pos = ", ".join(f"{a:.2f}" for a in stats.per_position_acceptance)
+        where = "depth" if summary["tree"] is not None else "position"
         accept = (f", acceptance length {stats.acceptance_length:.2f} "
-                  f"(per position: {per_pos})")
+                  f"(per {where}: {per_pos}), {stats.nodes_per_verify_step:.1f} drafts "
+                  f"verified per step")
     print(f"[{method}, {summary['attention_backend']}, {llm.device}] "
           f"{stats.generated_tokens} tokens in {elapsed:.2f} s "
           f"({summary['tokens_per_s']} tok/s){accept}")

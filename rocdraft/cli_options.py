@@ -77,6 +77,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                            "target loads that the KV caches may take")
     size.add_argument("--num-kv-blocks", type=int, default=None,
                       help="exact number of KV-cache blocks (instead of a memory budget)")
+    add_tree_args(p)
 
 
 def sizing_kwargs(args) -> dict:
@@ -122,7 +123,12 @@ def make_llm_kwargs(args) -> dict:
         spec = SpeculativeConfig(method=method, num_speculative_tokens=args.num_speculative_tokens,
                                  enforce_eager=args.enforce_eager,
                                  max_draft_tokens_per_step=args.max_draft_tokens_per_step,
-                                 **policy)
+                                 **policy, **tree_kwargs(args))
+    elif tree_kwargs(args):
+        from rocdraft.errors import RocdraftError
+
+        raise RocdraftError(f"{', '.join(tree_flags_given(args))} draft a token tree, which "
+                            f"needs --method eagle or eagle3 (got --method none)")
     import torch
 
     on_gpu = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
@@ -187,3 +193,59 @@ def make_engine(args):
     kwargs = make_llm_kwargs(args)
     method = kwargs.pop("method")
     return LLMEngine(**kwargs), method
+
+
+# --- token trees (issue 13): static --speculative-token-tree, dynamic --tree-* -------------
+
+TREE_FLAGS = ("speculative_token_tree", "tree_depth", "tree_top_k", "tree_total_tokens")
+NAMED_TREES = ("eagle",)  # --speculative-token-tree NAME: drafter.tree_spec.EAGLE_DEFAULT_TREE
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """Tree drafting flags: a static tree, or the dynamic (EAGLE-2) triple; neither: a chain of
+    --num-speculative-tokens."""
+    tree = p.add_argument_group(
+        "token trees (instead of a chain of --num-speculative-tokens drafts; static or "
+        "dynamic, not both)")
+    tree.add_argument("--speculative-token-tree", default=None, metavar="TREE",
+                      help="static tree: nodes as paths of child ranks in BFS order, e.g. "
+                           "'[(0,), (1,), (0, 0)]', or 'eagle' for EAGLE's default tree "
+                           "(25 nodes, depth 5)")
+    tree.add_argument("--tree-depth", type=int, default=None, metavar="D",
+                      help="dynamic (EAGLE-2) tree: levels drafted (all three --tree-* flags "
+                           "together)")
+    tree.add_argument("--tree-top-k", type=int, default=None, metavar="K",
+                      help="dynamic tree: children per frontier node and frontier width")
+    tree.add_argument("--tree-total-tokens", type=int, default=None, metavar="N",
+                      help="dynamic tree: tokens verified per request (the root + N - 1 nodes)")
+
+
+def tree_flags_given(args) -> list[str]:
+    """The tree flags given, as typed: ['--tree-depth', '--tree-top-k']."""
+    return ["--" + name.replace("_", "-") for name in TREE_FLAGS
+            if getattr(args, name, None) is not None]
+
+
+def tree_kwargs(args) -> dict:
+    """The tree flags given, as SpeculativeConfig keyword arguments (validated there):
+    --speculative-token-tree eagle -> {"speculative_token_tree": EAGLE_DEFAULT_TREE}."""
+    kwargs = {name: getattr(args, name) for name in TREE_FLAGS
+              if getattr(args, name, None) is not None}
+    tree = kwargs.get("speculative_token_tree")
+    if isinstance(tree, str) and tree.strip().lower() in NAMED_TREES:
+        from rocdraft.drafter.tree_spec import EAGLE_DEFAULT_TREE
+
+        kwargs["speculative_token_tree"] = EAGLE_DEFAULT_TREE
+    return kwargs
+
+
+def tree_description(spec) -> list | dict | None:
+    """A SpeculativeConfig's tree for JSON reports: the static tree's nodes as lists,
+    {"depth", "top_k", "total_tokens"} for a dynamic one, None for a chain (or no spec)."""
+    kind = spec.tree_kind if spec is not None else None
+    if kind == "static":
+        return [list(node) for node in spec.speculative_token_tree]
+    if kind == "dynamic":
+        return {"depth": spec.tree_depth, "top_k": spec.tree_top_k,
+                "total_tokens": spec.tree_total_tokens}
+    return None

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from rocdraft.backends.kv_compact import compact_kv
+from rocdraft.backends.kv_compact import compact_kv_layers
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.drafter.tree_index import accepted_first_order
 from rocdraft.sampler import SamplingTensors
@@ -41,11 +41,10 @@ def context_lens(batch: StepBatch) -> torch.Tensor:
 def compact_target_kv(kv_caches: list[LayerKVCache], batch: StepBatch,
                       result: TreeVerifyResult, block_size: int) -> None:
     """Move each request's accepted nodes from L + 1 + node to L + depth in every layer
-    (backends/kv_compact.py: the torch reference on the CPU, HIP or Triton on a GPU)."""
-    lens = context_lens(batch)
-    for cache in kv_caches:
-        compact_kv(cache, batch.common.block_table, lens, result.accepted_nodes,
-                   result.num_accepted, block_size)
+    (backends/kv_compact.py: the torch reference on the CPU, moves planned once for all
+    layers; HIP or Triton per layer on a GPU)."""
+    compact_kv_layers(kv_caches, batch.common.block_table, context_lens(batch),
+                      result.accepted_nodes, result.num_accepted, block_size)
 
 
 def head_inputs_after_tree(batch: StepBatch, hidden, result: TreeVerifyResult

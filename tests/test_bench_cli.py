@@ -231,3 +231,139 @@ def test_interrupted_plot_leaves_the_old_file_and_no_partial_one(tmp_path):
     assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"old"
     _save_atomically(Figure(), str(path))
     assert list(tmp_path.iterdir()) == [path] and path.read_bytes()[:4] == b"\x89PNG"
+
+
+# --- token trees and --compare ------------------------------------------------------------
+
+def test_bench_compare_builtin_pair_side_by_side(capsys, tmp_path, monkeypatch):
+    """target-only, the chain and a dynamic tree in one run on the built-in pair: the same
+    greedy outputs, real acceptance, and a plot with every system."""
+    import rocdraft.bench_cli
+
+    figures = []
+    real_save = rocdraft.bench_cli._save_atomically
+    monkeypatch.setattr(rocdraft.bench_cli, "_save_atomically",
+                        lambda fig, path: (figures.append(fig), real_save(fig, path)))
+    has_plot = True
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        has_plot = False
+    plot = tmp_path / "compare.png"
+    capsys.readouterr()
+    rc = main(["bench", "--compare", "dynamic,chain", "--json", "--num-prompts", "1",
+               "--max-new-tokens", "8", "--repeat", "1", "--batch-size", "1", "--threads", "1",
+               *(["--plot", str(plot)] if has_plot else [])])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    report = json.loads(out)
+    config = report["config"]
+    assert config["compare"] == ["chain", "dynamic"]  # report order, whatever the flag's
+    assert config["trees"] == {"chain": None,
+                               "dynamic": {"depth": 5, "top_k": 4, "total_tokens": 16}}
+    assert config["systems"] == {"target_only": "rocdraft target-only",
+                                 "chain": "rocdraft eagle3 chain k=4",
+                                 "dynamic": "rocdraft eagle3 dynamic tree d5/k4/n16"}
+    assert "tree" not in config and config["dtype"] == "float32"
+    (row,) = report["results"]
+    assert set(row["tokens_per_s"]) == {"target_only", "chain", "dynamic"}
+    assert set(row["systems"]) == {"chain", "dynamic"}
+    assert "speedup" not in row and "spec_tokens_per_s" not in row  # per system instead
+    for name, f in row["systems"].items():
+        assert f["greedy_outputs_identical"] is True, name
+        assert f["acceptance_length"] > 1.0, name
+        assert f["speedup"] == pytest.approx(row["tokens_per_s"][name]["median"]
+                                             / row["baseline_tokens_per_s"], rel=1e-2)
+        assert sum(f["time_split"].values()) == pytest.approx(1.0, abs=0.01)
+    chain, dynamic = row["systems"]["chain"], row["systems"]["dynamic"]
+    assert chain["tree_kind"] is None and "per_depth_acceptance" not in chain
+    assert len(chain["per_position_acceptance"]) == 4 and chain["nodes_per_verify_step"] <= 4
+    assert dynamic["tree_kind"] == "dynamic"
+    assert len(dynamic["per_depth_acceptance"]) == 5 and dynamic["nodes_per_verify_step"] == 15
+    assert "dynamic run 1" in err and "chain run 1" in err
+    if has_plot:
+        assert plot.stat().st_size > 1000
+        speedup_ax, acceptance_ax = figures[0].axes
+        labels = [line.get_label() for line in speedup_ax.get_lines()]
+        assert labels == [config["systems"][n] for n in ("chain", "dynamic", "target_only")]
+        assert len(acceptance_ax.get_lines()) == 2
+
+
+def test_bench_single_tree_system_keeps_the_old_keys(capsys, pair):
+    rc, out, err = bench(capsys, pair, "--batch-size", "2", "--num-prompts", "2", "--tree-depth",
+                         "2", "--tree-top-k", "2", "--tree-total-tokens", "4", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    config = report["config"]
+    assert config["tree"] == {"depth": 2, "top_k": 2, "total_tokens": 4}
+    assert config["compare"] is None
+    assert config["systems"]["speculative"] == "rocdraft eagle3 dynamic tree d2/k2/n4"
+    (row,) = report["results"]
+    for key in ("spec_tokens_per_s", "speedup", "acceptance_length", "per_position_acceptance",
+                "time_split", "greedy_outputs_identical", "nodes_per_verify_step"):
+        assert row[key] == (row["systems"]["speculative"][key] if key != "spec_tokens_per_s"
+                            else row["tokens_per_s"]["speculative"]["median"]), key
+    assert row["greedy_outputs_identical"] is True and row["tree_kind"] == "dynamic"
+    assert len(row["per_depth_acceptance"]) == 2
+    assert 0 < row["nodes_per_verify_step"] <= 3
+    rc, out, err = bench(capsys, pair, "--batch-size", "1", "--num-prompts", "1",
+                         "--speculative-token-tree", "[(0,), (1,), (0, 0)]")
+    assert rc == 0, err
+    assert "static tree (3 nodes, depth 2)" in out and "per depth" in out
+    assert "greedy == target-only: yes" in out
+
+
+def test_bench_compare_table_lists_every_system(capsys, pair):
+    rc, out, err = bench(capsys, pair, "--batch-size", "1", "--num-prompts", "1", "--compare",
+                         "chain,static", "--speculative-token-tree", "[(0,), (1,), (0, 0)]")
+    assert rc == 0, err
+    for label in ("rocdraft target-only", "rocdraft eagle3 chain k=2",
+                  "rocdraft eagle3 static tree (3 nodes, depth 2)"):
+        assert label in out
+    assert out.count("greedy == target-only: yes") == 2
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--compare", "chain,medusa"], "--compare 'chain,medusa': unknown system(s) 'medusa'; "
+                                    "valid: chain, static, dynamic"),
+    (["--compare", ","], "unknown system(s) (none given); valid: chain, static, dynamic"),
+    (["--compare", "chain", "--tree-depth", "3"],
+     "--tree-depth given but --compare 'chain' runs no dynamic tree"),
+    (["--compare", "dynamic", "--speculative-token-tree", "eagle"],
+     "--speculative-token-tree given but --compare 'dynamic' runs no static tree"),
+])
+def test_bad_compare_fails_before_loading(capsys, pair, monkeypatch, args, fragment):
+    import rocdraft.cli_options
+
+    def no_loading(args):
+        raise AssertionError("models were loaded before --compare was checked")
+
+    monkeypatch.setattr(rocdraft.cli_options, "make_llm", no_loading)
+    rc, out, err = bench(capsys, pair, *args)
+    assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_bad_tree_is_a_one_line_error(capsys, pair):
+    rc, out, err = bench(capsys, pair, "--compare", "dynamic", "--tree-depth", "2")
+    assert rc == 2 and "missing tree_top_k, tree_total_tokens" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_compare_system_args_defaults():
+    import argparse
+
+    from rocdraft.bench_cli import DEFAULT_DYNAMIC_TREE, system_args
+
+    args = argparse.Namespace(speculative_token_tree=None, tree_depth=None, tree_top_k=None,
+                              tree_total_tokens=None, num_speculative_tokens=3)
+    assert vars(system_args(args, "chain")) == vars(args)
+    assert system_args(args, "static").speculative_token_tree == "eagle"
+    dynamic = system_args(args, "dynamic")
+    assert {k: getattr(dynamic, k) for k in DEFAULT_DYNAMIC_TREE} == \
+        {"tree_depth": 5, "tree_top_k": 4, "tree_total_tokens": 16}
+    assert dynamic.speculative_token_tree is None
+    args.speculative_token_tree, args.tree_depth = "[(0,)]", 2
+    assert system_args(args, "chain").speculative_token_tree is None  # the chain has no tree
+    assert system_args(args, "static").speculative_token_tree == "[(0,)]"
+    assert system_args(args, "dynamic").tree_depth == 2  # given values pass on (validated later)
+    assert system_args(args, "dynamic").tree_top_k is None

@@ -22,7 +22,8 @@ from rocdraft.platform import detect_platform
 OUTPUT_KEYS = {"prompt_token_ids", "token_ids", "text", "finish_reason"}
 STATS_KEYS = {"method", "attention_backend", "device", "dtype", "generated_tokens", "elapsed_s",
               "tokens_per_s", "num_speculative_tokens", "draft_attention_backend",
-              "acceptance_length", "per_position_acceptance", "num_verify_steps"}
+              "acceptance_length", "per_position_acceptance", "num_verify_steps", "tree",
+              "nodes_per_verify_step"}
 PROMPT_A = "1,5,6,7"
 PROMPT_B = "1,30,31,32,33,34,35,36"
 MAX_POSITIONS = 256  # TINY max_position_embeddings
@@ -217,6 +218,44 @@ def test_speculative_methods_are_lossless(capsys, ckpt, method):
     generated = stats["generated_tokens"]
     assert generated == sum(len(o["token_ids"]) for o in spec["outputs"])
     assert 2 + verify <= generated <= 2 + round(verify * length) + 1
+
+
+@pytest.mark.parametrize("tree_args, tree", [
+    (("--speculative-token-tree", "[(0,), (1,), (0, 0), (0, 1), (1, 0)]"),
+     [[0], [1], [0, 0], [0, 1], [1, 0]]),
+    (("--tree-depth", 3, "--tree-top-k", 2, "--tree-total-tokens", 6),
+     {"depth": 3, "top_k": 2, "total_tokens": 6}),
+])
+def test_tree_generate_json_stats_and_lossless(capsys, ckpt, tree_args, tree):
+    args = ("--target", ckpt["deep"], "--prompt-ids", PROMPT_A, "--prompt-ids", PROMPT_B,
+            "--max-new-tokens", 8, "--attention-backend", "TORCH_SDPA")
+    plain = generate_json(capsys, *args, "--method", "none")
+    assert plain["stats"]["tree"] is None and plain["stats"]["nodes_per_verify_step"] == 0.0
+    result = generate_json(capsys, *args, "--draft", ckpt["eagle3"], *tree_args)
+    assert [o["token_ids"] for o in result["outputs"]] == \
+        [o["token_ids"] for o in plain["outputs"]]
+    stats = result["stats"]
+    assert stats["tree"] == tree
+    depth = 3 if isinstance(tree, dict) else 2
+    nodes = 5  # the static list has 5 nodes; total_tokens 6 keeps 5
+    assert len(stats["per_position_acceptance"]) == depth  # per depth for trees
+    assert stats["num_verify_steps"] > 0
+    assert 0 < stats["nodes_per_verify_step"] <= nodes
+    assert 1.0 <= stats["acceptance_length"] <= depth + 1
+    rc, out, err = run_cli(capsys, "generate", *args, "--draft", ckpt["eagle3"], *tree_args)
+    assert rc == 0 and "per depth:" in out and "drafts verified per step" in out, err
+
+
+@pytest.mark.parametrize("tree_args, fragments", [
+    (("--speculative-token-tree", "0,1"), ("node 0 is not a tuple", "expected a list of")),
+    (("--speculative-token-tree", "[(0,), (1, 1)]"), ("(1, 1) has no parent (1,)",)),
+    (("--speculative-token-tree", "eagle", "--tree-top-k", 2), ("tree_top_k", "choose one")),
+    (("--tree-depth", 3, "--tree-total-tokens", 6), ("missing tree_top_k",)),
+])
+def test_bad_tree_flags_are_one_line_errors(capsys, ckpt, tree_args, fragments):
+    assert_user_error(*run_cli(capsys, "generate", "--target", ckpt["deep"], "--draft",
+                               ckpt["eagle3"], "--prompt-ids", PROMPT_A, *tree_args),
+                      *fragments)
 
 
 @pytest.mark.parametrize("method", ["none", "eagle"])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
 from checkpoints import write_eagle1_head, write_eagle3_head, write_tiny_llama
 from rocdraft.cli_options import (CliParser, add_model_args, make_llm_kwargs, read_prompts_file,
-                                  resolve_method, sizing_kwargs)
+                                  resolve_method, sizing_kwargs, tree_description,
+                                  tree_flags_given, tree_kwargs)
 from rocdraft.config import SpeculativeConfig
 from rocdraft.errors import RocdraftError
 
@@ -100,3 +102,71 @@ def test_usage_errors_are_one_line(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("rocdraft: error: argument --method") and err.count("\n") == 1
+
+
+# --- token trees --------------------------------------------------------------------------
+
+def test_no_tree_flags_keep_the_chain(ckpt):
+    args = parse("--target", ckpt["target"], "--draft", ckpt["eagle3"])
+    assert (args.speculative_token_tree, args.tree_depth, args.tree_top_k,
+            args.tree_total_tokens) == (None, None, None, None)
+    assert tree_kwargs(args) == {} and tree_flags_given(args) == []
+    spec = make_llm_kwargs(args)["speculative_config"]
+    assert spec.tree_kind is None and tree_description(spec) is None
+    assert tree_description(None) is None
+
+
+def test_static_tree_string_reaches_the_config(ckpt):
+    args = parse("--target", ckpt["target"], "--draft", ckpt["eagle3"],
+                 "--speculative-token-tree", "[(0,), (1,), (0, 0)]")
+    spec = make_llm_kwargs(args)["speculative_config"]
+    assert spec.tree_kind == "static" and spec.num_speculative_tokens == 4
+    assert spec.speculative_token_tree == ((0,), (1,), (0, 0))
+    assert tree_description(spec) == [[0], [1], [0, 0]]
+
+
+@pytest.mark.parametrize("name", ["eagle", "EAGLE"])
+def test_named_eagle_tree_is_eagles_default(ckpt, name):
+    from rocdraft.drafter.tree_spec import EAGLE_DEFAULT_TREE
+
+    args = parse("--target", ckpt["target"], "--draft", ckpt["eagle3"],
+                 "--speculative-token-tree", name)
+    assert tree_kwargs(args) == {"speculative_token_tree": EAGLE_DEFAULT_TREE}
+    spec = make_llm_kwargs(args)["speculative_config"]
+    assert spec.speculative_token_tree == EAGLE_DEFAULT_TREE
+    assert len(tree_description(spec)) == 25
+
+
+def test_dynamic_tree_triple_reaches_the_config(ckpt):
+    args = parse("--target", ckpt["target"], "--draft", ckpt["eagle3"], "--tree-depth", 5,
+                 "--tree-top-k", 4, "--tree-total-tokens", 16,
+                 "--max-draft-tokens-per-step", 64)
+    spec = make_llm_kwargs(args)["speculative_config"]
+    assert (spec.tree_kind, spec.tree_depth, spec.tree_top_k, spec.tree_total_tokens) == \
+        ("dynamic", 5, 4, 16)
+    assert spec.max_draft_tokens_per_step == 64
+    assert tree_description(spec) == {"depth": 5, "top_k": 4, "total_tokens": 16}
+    assert tree_flags_given(args) == ["--tree-depth", "--tree-top-k", "--tree-total-tokens"]
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--speculative-token-tree", "[(0,), (0, 0"], "expected a list of tuples"),
+    (["--speculative-token-tree", "[(1, 0)]"], "(1, 0)"),
+    (["--speculative-token-tree", "eagle", "--tree-depth", "3"], "choose one"),
+    (["--tree-depth", "5", "--tree-top-k", "4"], "missing tree_total_tokens"),
+    (["--tree-depth", "5", "--tree-top-k", "0", "--tree-total-tokens", "16"], "tree_top_k"),
+    (["--tree-depth", "5", "--tree-top-k", "4", "--tree-total-tokens", "1"],
+     "tree_total_tokens"),
+])
+def test_bad_tree_flags_are_config_errors(ckpt, argv, fragment):
+    args = parse("--target", ckpt["target"], "--draft", ckpt["eagle3"], *argv)
+    with pytest.raises(RocdraftError, match=re.escape(fragment)):
+        make_llm_kwargs(args)
+
+
+def test_tree_flags_need_a_speculative_method(ckpt):
+    args = parse("--target", ckpt["target"], "--tree-depth", 5, "--tree-top-k", 4,
+                 "--tree-total-tokens", 16)
+    with pytest.raises(RocdraftError, match="--tree-depth, --tree-top-k, --tree-total-tokens "
+                                            "draft a token tree, which needs --method"):
+        make_llm_kwargs(args)

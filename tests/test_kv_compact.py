@@ -23,8 +23,8 @@ from rocdraft.backends import kv_compact
 from rocdraft.backends.kv_cache import (FP8_DTYPES, NHD, SPLIT_K, LayerKVCache, _element_index,
                                         compute_slot_mapping, kv_cache_shapes, split_k_x,
                                         write_kv_reference)
-from rocdraft.backends.kv_compact import (bits_view, compact_kv, compact_kv_moves,
-                                          compact_kv_reference)
+from rocdraft.backends.kv_compact import (bits_view, compact_kv, compact_kv_layers,
+                                          compact_kv_moves, compact_kv_reference)
 from rocdraft.backends.triton_kernels.kv_compact import compact_kv_triton
 from rocdraft.hip_kernels import build, ops
 from rocdraft.hip_kernels.ops import LAYOUT_CODES
@@ -296,6 +296,9 @@ def test_forms_agree_on_arbitrary_and_invalid_inputs(shim, layout, dtype, data):
     compact_kv_reference(expected, *args)
     for other in run_all_forms(cache, args, shim, data.draw(st.booleans(), label="vector")):
         assert same_bytes(other, expected)
+    layers = [clone(cache), clone(cache)]  # moves planned once, applied to every layer
+    compact_kv_layers(layers, *args)
+    assert all(same_bytes(layer, expected) for layer in layers)
 
 
 def test_moves_docstring_example():
