@@ -3,6 +3,7 @@ mapping, sampling indices and backup tokens of one step, on hand-made scheduler 
 (property test) against a naive per-token loop."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -208,3 +209,88 @@ def test_ops_per_step_do_not_grow_with_the_batch():
         return counter.n
 
     assert ops(1) == ops(16)
+
+
+# --- tree verification rows ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from checkpoints import write_tiny_llama
+
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tree_rows") / "target", kind="llama"))
+
+
+def _logits(model, builder, scheduled, caches, max_blocks):
+    batch = build_step_batch(scheduled, max_blocks, BLOCK_SIZE, "cpu")
+    out = model(batch.input_ids, batch.positions, caches, builder.build(batch.common))
+    return batch, model.compute_logits(out.hidden_states)  # [num_tokens, vocab]
+
+
+def test_tree_rows_get_depth_positions_sequential_slots_and_a_per_request_mask():
+    req = make_request(0, [1, 2, 3], [4], 3, [6, 7], drafts=[50, 51, 52])
+    req.spec_parents = [-1, -1, 0]
+    chunk = make_request(1, [9, 9], [], 0, [8])  # a prompt chunk beside the tree
+    batch = build_step_batch([ScheduledRequest(req, 4, 3), ScheduledRequest(chunk, 2, 0)],
+                             max_blocks_per_seq=2, block_size=BLOCK_SIZE, device="cpu")
+    assert batch.input_ids.tolist() == [4, 50, 51, 52, 9, 9]
+    assert batch.positions.tolist() == [3, 4, 4, 5, 0, 1]  # root L, nodes L + depth
+    assert batch.common.slot_mapping.tolist() == [27, 28, 29, 30, 32, 33]  # sequence order
+    assert batch.draft_parents.tolist() == [[-1, -1, 0], [-1, -1, -1]]
+    mask = batch.common.spec_mask  # [2, 4, 4]: root + 3 nodes; the chunk sees all
+    assert mask[0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    assert mask[1].all()
+
+
+def test_tree_verification_logits_equal_each_path_run_alone(tiny_target, attention_backend):
+    """A verify step with two trees (different context lengths, one non-uniform) and a
+    3-token prompt chunk (shorter than the mask) in one target forward: each node's logits
+    equal those of its root-to-node path run alone as an ordinary causal prefill, so the
+    mask, the RoPE positions (L + depth) and the slots are right on this backend."""
+    from rocdraft.backends.kv_cache import allocate_kv_cache
+    from rocdraft.backends.registry import get_backend
+    from rocdraft.models.llama import load_target
+
+    backend = get_backend(attention_backend)
+    model = load_target(tiny_target, torch.float32, "cpu", backend)
+    builder = backend.builder_cls("cpu")
+    layers, heads, head_dim = model.kv_cache_spec()
+    max_blocks = 6
+    caches = allocate_kv_cache(layers, 64, BLOCK_SIZE, heads, head_dim, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    trees = [([-1, -1, 0, 1, 2], 5), ([-1, 0, 0], 9)]  # (parents, context length)
+    requests, blocks = [], iter(range(64))
+    for rid, (parents, length) in enumerate(trees):
+        ctx = torch.randint(3, vocab, (length + 1,), generator=gen).tolist()
+        req = make_request(rid, ctx[:-1], ctx[-1:], 0, [next(blocks) for _ in range(4)])
+        requests.append(req)
+    _logits(model, builder, [ScheduledRequest(r, len(r.prompt_token_ids), 0) for r in requests],
+            caches, max_blocks)  # cache the contexts
+    scheduled = []
+    for req, (parents, _) in zip(requests, trees):
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        req.spec_token_ids = torch.randint(3, vocab, (len(parents),), generator=gen).tolist()
+        req.spec_parents = list(parents)
+        scheduled.append(ScheduledRequest(req, 1 + len(parents), len(parents)))
+    chunk = make_request(9, [5, 6, 7, 8, 9], [], 0, [next(blocks) for _ in range(2)])
+    scheduled.append(ScheduledRequest(chunk, 3, 0))
+    batch, logits = _logits(model, builder, scheduled, caches, max_blocks)
+
+    def alone(tokens: list[int]) -> torch.Tensor:
+        fresh = make_request(99, tokens, [], 0, [next(blocks) for _ in range(4)])
+        _, rows = _logits(model, builder, [ScheduledRequest(fresh, len(tokens), 0)], caches,
+                          max_blocks)
+        return rows[-1]
+
+    tol = dict(atol=1e-4, rtol=1e-4)
+    for row, (req, (parents, _)) in enumerate(zip(requests, trees)):
+        root_seq = req.prompt_token_ids + req.output_token_ids
+        rows = logits[batch.sample_indices[row, :len(parents) + 1]]
+        torch.testing.assert_close(rows[0], alone(root_seq), **tol)
+        for node in range(len(parents)):
+            path, at = [], node
+            while at >= 0:
+                path.insert(0, req.spec_token_ids[at])
+                at = parents[at]
+            torch.testing.assert_close(rows[node + 1], alone(root_seq + path), **tol)
+    torch.testing.assert_close(logits[batch.sample_indices[2, 0]], alone([5, 6, 7]), **tol)
