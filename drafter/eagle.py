@@ -49,6 +49,7 @@ class EagleProposer:
         # Set by the engine on GPUs (drafter/graphs.py); None runs the steps eagerly.
         self.graph_runner = None
         self.tree_drafter = None
+        self.tree_runner = None  # drafter/tree_graphs.py, set by the engine on GPUs
         if tree is not None:
             from rocdraft.drafter.tree_draft import TreeDrafter
 
@@ -207,6 +208,11 @@ class EagleProposer:
                                            target_hidden_states, next_token_ids,
                                            last_token_indices, common, kv_caches)
         root_positions = target_positions[last_token_indices]  # [B]
+        runner = self.tree_runner
+        if runner is not None and runner.accepts(common.num_reqs, common.max_seq_len,
+                                                 budget_nodes):
+            return runner.run(sample_hidden, root_positions, common.block_table,
+                              common.max_seq_len)
         return self.tree_drafter.draft(sample_hidden, root_positions, common.block_table,
                                        kv_caches, common.max_seq_len, budget_nodes)
 

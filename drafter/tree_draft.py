@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from rocdraft.backends.metadata import CommonAttentionMetadata
-from rocdraft.drafter.tree_index import level_schedule
+from rocdraft.drafter.tree_index import level_schedule, level_tables
 from rocdraft.drafter.tree_math import (expand_frontier, extend_ancestor_mask, select_frontier,
                                         select_tree, select_tree_batch_budget)
 from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
@@ -54,6 +54,7 @@ class TreeDrafter:
             self.level_ends = tuple(tree.level_starts[1:tree.depth])
         else:
             self.level_ends = tuple(d * tree.top_k for d in range(1, tree.depth))
+        self.level_tables = level_tables(self.level_ends, device) if self.level_ends else None
         if isinstance(tree, StaticTree):
             # Node-only ancestor mask (the root is the context row P, always visible).
             self.node_mask = tree.ancestor_mask[1:, 1:].to(device)
@@ -74,7 +75,8 @@ class TreeDrafter:
         schedule = None
         if self.level_ends:
             schedule = level_schedule(root_positions, self.level_ends, block_table,
-                                      proposer.block_size, proposer.max_model_len)
+                                      proposer.block_size, proposer.max_model_len,
+                                      self.level_tables)
         if isinstance(self.tree, StaticTree):
             return self._static(root_hidden, schedule, block_table, kv_caches, seq_len_bound,
                                 budget_nodes)

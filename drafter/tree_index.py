@@ -129,12 +129,30 @@ def level_inputs(root_positions: torch.Tensor, start: int, end: int, depth: int,
     return positions.contiguous(), slots, seq_lens.to(torch.int32)
 
 
+def level_tables(level_ends: tuple[int, ...], device: torch.device | str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The constant tables ``level_schedule`` reads, built once per tree shape (so a captured
+    graph never copies from the host). level_ends (static): level d (1-based) feeds the fed
+    indices ``level_ends[d - 2] .. level_ends[d - 1] - 1`` (from 0 for d = 1)
+    -> (depth_of [F], end_of [F], ends [num_levels]) int64: each fed index's level depth
+    and level end, and the level ends.
+
+    Example: level_ends (2, 4) -> depth_of [1, 1, 2, 2], end_of [2, 2, 4, 4], ends [2, 4].
+    """
+    starts = (0,) + tuple(level_ends[:-1])
+    depth_of = [d + 1 for d, (a, b) in enumerate(zip(starts, level_ends)) for _ in range(a, b)]
+    end_of = [b for a, b in zip(starts, level_ends) for _ in range(a, b)]
+    return tuple(torch.tensor(t, dtype=torch.int64, device=device)
+                 for t in (depth_of, end_of, list(level_ends)))
+
+
 def level_schedule(root_positions: torch.Tensor, level_ends: tuple[int, ...],
-                   block_table: torch.Tensor, block_size: int, max_model_len: int
+                   block_table: torch.Tensor, block_size: int, max_model_len: int,
+                   tables: tuple[torch.Tensor, ...] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``level_inputs`` of every drafting level at once (one set of ops per step instead of
-    one per level). level_ends (static): level d (1-based) feeds the fed indices
-    ``level_ends[d - 2] .. level_ends[d - 1] - 1`` (from 0 for d = 1)
+    one per level). level_ends: as in ``level_tables``; tables: ``level_tables(level_ends)``
+    built once (required inside a captured graph: it never copies from the host)
     -> (positions [B, F] int64, slots [B, F] int64, seq_lens [B, num_levels] int32), F =
     level_ends[-1]; level d's columns are its fed indices and its seq_lens column d - 1.
 
@@ -143,17 +161,12 @@ def level_schedule(root_positions: torch.Tensor, level_ends: tuple[int, ...],
     level 1 is live (8 + 1 + 2 <= 12): positions [9, 9], slots [13, 14], seq_len 11; level 2
     is dead: positions [0, 0], slots [-1, -1], seq_len 4.
     """
-    device = block_table.device
-    num_fed = level_ends[-1]
-    starts = (0,) + tuple(level_ends[:-1])
-    depth_of = torch.tensor([d + 1 for d, (a, b) in enumerate(zip(starts, level_ends))
-                             for _ in range(a, b)], dtype=torch.int64, device=device)  # [F]
-    end_of = torch.tensor([b for a, b in zip(starts, level_ends) for _ in range(a, b)],
-                          dtype=torch.int64, device=device)  # [F]
-    ends = torch.tensor(level_ends, dtype=torch.int64, device=device)  # [num_levels]
+    if tables is None:
+        tables = level_tables(level_ends, block_table.device)
+    depth_of, end_of, ends = tables
     base = root_positions.long().view(-1, 1)  # [B, 1]
     live = base + 1 + end_of <= max_model_len  # [B, F]
-    index = base + 1 + torch.arange(num_fed, device=device)  # [B, F]
+    index = base + 1 + torch.arange(depth_of.shape[0], device=depth_of.device)  # [B, F]
     safe = index.masked_fill(~live, 0)
     column = (safe // block_size).clamp(max=block_table.shape[1] - 1)
     block_ids = block_table.gather(1, column).long()

@@ -32,6 +32,7 @@ from rocdraft.draft_policy import (EXPLORE_EVERY, AcceptanceTracker, StepCosts, 
                                    choose_num_drafts)
 from rocdraft.drafter.eagle import EagleProposer
 from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets, graph_capture_refusal
+from rocdraft.drafter.tree_graphs import TreeLoopRunner
 from rocdraft.drafter.tree_index import host_depths
 from rocdraft.drafter.tree_spec import draft_lookahead
 from rocdraft.errors import RocdraftError
@@ -178,8 +179,12 @@ class LLMEngine:
         self.draft_graph_refusal = graph_capture_refusal(self.draft_backend, self.device,
                                                          spec.enforce_eager)
         if self.draft_graph_refusal is None and self.tree is not None:
-            self.draft_graph_refusal = "tree levels run eagerly (no tree graphs yet)"
-        if self.draft_graph_refusal is None and spec.num_speculative_tokens > 1:
+            if self.proposer.tree_drafter.level_ends:  # a depth-1 tree has no level loop
+                self.proposer.tree_runner = TreeLoopRunner(
+                    self.proposer.tree_drafter, self.draft_kv_caches,
+                    self.head.config.hidden_size, self.scheduler_config.max_blocks_per_seq,
+                    capture_buckets(max_num_seqs), use_graphs=True)
+        elif self.draft_graph_refusal is None and spec.num_speculative_tokens > 1:
             self.proposer.graph_runner = DraftLoopRunner(
                 self.proposer, self.draft_kv_caches, self.head.config.hidden_size,
                 self.scheduler_config.max_blocks_per_seq, capture_buckets(max_num_seqs),
