@@ -5,6 +5,8 @@
   ROCM_AITER_FA only run fp16/bf16, where batch-shape-dependent rounding can flip a near-tie,
   so they are compared on a prefix);
 - the draft loop captured as CUDA/HIP graphs per bucket equals eager drafting;
+- tree speculation (static and dynamic trees: tree-masked verification, KV compaction with
+  the device kernels, the per-level tree loop captured per bucket) equals target-only;
 - the fused kernels (HIP extension, Triton) through the drafter's dispatch equal the torch
   references on device tensors.
 On an NVIDIA GPU only TORCH_SDPA, TRITON_ATTN and FLASH_ATTN can run; ROCM_AITER_FA and the
@@ -104,6 +106,26 @@ def test_engine_captures_the_draft_loop_on_gpu(pair):
     assert eager.proposer.graph_runner is None
     assert [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY)] == \
         [o.token_ids for o in eager.generate(PROMPTS[:4], GREEDY)]
+
+
+@pytest.mark.parametrize("tree", [dict(speculative_token_tree="[(0,), (1,), (0, 0), (0, 1), (1, 0)]"),
+                                  dict(tree_depth=4, tree_top_k=3, tree_total_tokens=10)],
+                         ids=["static", "dynamic"])
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "TRITON_ATTN"])
+def test_tree_speculation_with_captured_levels_equals_target_only(pair, backend, tree):
+    from rocdraft.engine import LLM
+
+    reason = _runnable(backend)
+    if reason:
+        pytest.skip(f"{backend} cannot run here: {reason}")
+    kwargs = dict(device="cuda", dtype="float32", attention_backend=backend, max_num_seqs=8)
+    reference = [o.token_ids for o in LLM(pair["target"], **kwargs).generate(PROMPTS, GREEDY)]
+    llm = LLM(pair["target"], draft=pair["eagle3"],
+              speculative_config=SpeculativeConfig("eagle3", **tree), **kwargs)
+    assert llm.draft_graph_refusal is None and llm.proposer.tree_runner is not None
+    assert set(llm.proposer.tree_runner.graphs)  # captured per bucket
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert llm.last_stats.acceptance_length > 1.5
 
 
 def test_fused_draft_step_on_device_equals_reference():
