@@ -29,7 +29,7 @@ from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.drafter.tree_index import level_schedule, level_tables
 from rocdraft.drafter.tree_math import (expand_frontier, extend_ancestor_mask, select_frontier,
                                         select_tree, select_tree_batch_budget)
-from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
+from rocdraft.drafter.tree_spec import DynamicTree, StaticTree, budget_shape
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,9 @@ class TreeDrafter:
         if isinstance(tree, StaticTree):
             self.level_ends = tuple(tree.level_starts[1:tree.depth])
         else:
-            self.level_ends = tuple(d * tree.top_k for d in range(1, tree.depth))
+            self.level_ends = _fed_level_ends(tree)
         self.level_tables = level_tables(self.level_ends, device) if self.level_ends else None
+        self._budget_tables: dict[DynamicTree, tuple] = {}  # budget-shaped trees' tables
         if isinstance(tree, StaticTree):
             # Node-only ancestor mask (the root is the context row P, always visible).
             self.node_mask = tree.ancestor_mask[1:, 1:].to(device)
@@ -72,16 +73,24 @@ class TreeDrafter:
             raise ValueError(f"tree drafting needs 1-D positions, got shape "
                              f"{tuple(root_positions.shape)} (M-RoPE is not supported)")
         proposer = self.proposer
+        tree, level_ends, tables = self.tree, self.level_ends, self.level_tables
+        if isinstance(tree, DynamicTree) and budget_nodes is not None:
+            tree = budget_shape(tree, max(budget_nodes // max(root_hidden.shape[0], 1), 1))
+            if tree != self.tree:
+                level_ends = _fed_level_ends(tree)
+                if tree not in self._budget_tables:
+                    self._budget_tables[tree] = level_tables(level_ends, proposer.device) \
+                        if level_ends else None
+                tables = self._budget_tables[tree]
         schedule = None
-        if self.level_ends:
-            schedule = level_schedule(root_positions, self.level_ends, block_table,
-                                      proposer.block_size, proposer.max_model_len,
-                                      self.level_tables)
-        if isinstance(self.tree, StaticTree):
+        if level_ends:
+            schedule = level_schedule(root_positions, level_ends, block_table,
+                                      proposer.block_size, proposer.max_model_len, tables)
+        if isinstance(tree, StaticTree):
             return self._static(root_hidden, schedule, block_table, kv_caches, seq_len_bound,
                                 budget_nodes)
-        return self._dynamic(root_hidden, schedule, block_table, kv_caches, seq_len_bound,
-                             budget_nodes)
+        return self._dynamic(tree, root_hidden, schedule, block_table, kv_caches,
+                             seq_len_bound, budget_nodes)
 
     # --- one level ------------------------------------------------------------------------
 
@@ -94,7 +103,7 @@ class TreeDrafter:
         proposer = self.proposer
         batch, width = token_ids.shape
         positions, slots = schedule[0][:, start:end], schedule[1][:, start:end]
-        seq_lens = schedule[2][:, depth - 1]
+        seq_lens = schedule[2][:, depth - 1].contiguous()  # kernels read it with stride 1
         max_seq_len = min(seq_len_bound + end, proposer.max_model_len)
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=token_ids.device) * width
         common = CommonAttentionMetadata(
@@ -151,10 +160,12 @@ class TreeDrafter:
 
     # --- dynamic trees (EAGLE-2) ------------------------------------------------------------
 
-    def _dynamic(self, root_hidden, schedule, block_table, kv_caches, seq_len_bound,
-                 budget_nodes) -> TreeDrafts:
-        tree, head = self.tree, self.head
-        batch, top_k = root_hidden.shape[0], self.tree.top_k
+    def _dynamic(self, tree: DynamicTree, root_hidden, schedule, block_table, kv_caches,
+                 seq_len_bound, budget_nodes) -> TreeDrafts:
+        """tree: the config's tree, or its budget shape (``budget_shape``); the result has
+        the config's node columns either way."""
+        head = self.head
+        batch, top_k = root_hidden.shape[0], tree.top_k
         device = root_hidden.device
         logprobs = torch.log_softmax(self._logits(root_hidden), dim=-1)  # [B, V]
         scores, ids = logprobs.topk(top_k, dim=-1)  # [B, K] best first: level-1 candidates
@@ -186,15 +197,26 @@ class TreeDrafter:
                 hidden = out.gather(1, slot.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
             offset += top_k * top_k
         scores = torch.cat(all_scores, dim=1)  # [B, M]
+        num_keep = min(tree.num_nodes, scores.shape[1])
         num_nodes = None
         if budget_nodes is not None:
             num_nodes = select_tree_batch_budget(scores, budget_nodes,
                                                  min(1, budget_nodes // max(batch, 1)),
-                                                 tree.num_nodes)
-        node_ids, parents, _ = select_tree(scores, torch.cat(all_parents, dim=1),
-                                           tree.num_nodes, num_nodes)
+                                                 num_keep)
+        node_ids, parents, _ = select_tree(scores, torch.cat(all_parents, dim=1), num_keep,
+                                           num_nodes)
         tokens = torch.cat(all_tokens, dim=1).gather(1, node_ids.clamp(min=0))
         if num_nodes is None:
-            num_nodes = torch.full((batch,), tree.num_nodes, dtype=torch.int64, device=device)
-        return TreeDrafts(tokens=tokens.masked_fill(node_ids < 0, 0), parents=parents,
-                          num_nodes=num_nodes)
+            num_nodes = torch.full((batch,), num_keep, dtype=torch.int64, device=device)
+        width = self.tree.num_nodes  # the config's columns (a budget shape may keep fewer)
+        tokens = tokens.masked_fill(node_ids < 0, 0)
+        if num_keep < width:
+            pad = width - num_keep
+            tokens = torch.cat([tokens, tokens.new_zeros(batch, pad)], dim=1)
+            parents = torch.cat([parents, parents.new_full((batch, pad), -1)], dim=1)
+        return TreeDrafts(tokens=tokens, parents=parents, num_nodes=num_nodes)
+
+
+def _fed_level_ends(tree: DynamicTree) -> tuple[int, ...]:
+    """A dynamic tree feeds top_k frontier nodes per level, levels 1 .. depth - 1."""
+    return tuple(d * tree.top_k for d in range(1, tree.depth))

@@ -218,6 +218,31 @@ class DynamicTree:
         return (self.depth - 1) * self.top_k
 
 
+def budget_shape(tree: DynamicTree, nodes_per_request: int) -> DynamicTree:
+    """The dynamic tree a step drafts when the batch node budget leaves each request about
+    ``nodes_per_request`` (n) nodes: verification is bounded by the budget, and so is the
+    drafting work, which grows with the frontier (top_k nodes fed per level) and the depth.
+
+    The rule: with n >= the tree's nodes, the tree itself; else a frontier of
+    ``min(top_k, max(min(2, n), round(sqrt(n))))`` (at least 2 from n = 2, so the batch-wide
+    top-N has more candidates than n to choose from; EAGLE-2's own settings keep top_k near the square
+    root of the nodes kept: 4 for 16, 8 for 60), ``min(depth, max(1, n))`` levels (a request
+    with n nodes rarely uses more depth), and every candidate of that shape eligible (up to the
+    tree's own node count): the batch-wide top-N still gives confident requests more nodes.
+
+    Example: DynamicTree(5, 4, 16): n 15 -> itself; n 4 -> DynamicTree(4, 2, 15) (14
+    candidates: 2 + 3 * 4); n 2 -> DynamicTree(2, 2, 7); n 1 -> DynamicTree(1, 1, 2).
+    """
+    from rocdraft.drafter.tree_math import dynamic_tree_num_candidates
+
+    if nodes_per_request >= tree.num_nodes:
+        return tree
+    top_k = min(tree.top_k, max(min(2, nodes_per_request), round(nodes_per_request ** 0.5)))
+    depth = min(tree.depth, max(1, nodes_per_request))
+    total = min(tree.total_tokens, 1 + dynamic_tree_num_candidates(depth, top_k))
+    return DynamicTree(depth, top_k, total)
+
+
 def draft_lookahead(tree: StaticTree | DynamicTree) -> int:
     """KV slots a request needs past its last token for one tree step: the verified nodes,
     or the fed frontier nodes when there are more (dynamic trees).

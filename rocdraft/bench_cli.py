@@ -460,12 +460,15 @@ def _plot(report: dict, path: str) -> None:
     results, labels = report["results"], report["config"]["systems"]
     names = list(results[0]["systems"]) if results else []
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = ("-", "--", ":", "-.")  # acceptance: a system's colour, a batch size's style
     for name in names:
-        ax1.plot([r["batch_size"] for r in results],
-                 [r["systems"][name]["speedup"] for r in results], "o-", label=labels[name])
-        for r in results:
+        (line,) = ax1.plot([r["batch_size"] for r in results],
+                           [r["systems"][name]["speedup"] for r in results], "o-",
+                           label=labels[name])
+        for i, r in enumerate(results):
             per = r["systems"][name]["per_position_acceptance"]
-            ax2.plot(range(1, len(per) + 1), per, "o-",
+            ax2.plot(range(1, len(per) + 1), per, marker="o", color=line.get_color(),
+                     linestyle=styles[i % len(styles)],
                      label=f"{labels[name]}, bs {r['batch_size']}")
     ax1.axhline(1.0, color="gray", linestyle="--", label=labels["target_only"])
     ax1.set(xlabel="batch size", ylabel="speedup (tok/s vs target-only)",

@@ -13,7 +13,17 @@ reports per draft step:
 "Per draft step" divides a propose call by k (its first forward plus k-1 single-token steps);
 the single-token loop alone is reported too. Goal: <= 15 ops per draft step.
 
+Tree steps (``--trees``, default on): the same counts for one ``propose_tree`` call, the
+engine's tree drafting per step (``prepare_padded``, the head's first forward, then one head
+forward per level), for EAGLE's default static tree and a dynamic tree (``--tree-depth``,
+``--tree-top-k``, ``--tree-total-tokens``; default 5/4/16), whole-batch node budget off.
+"Per level" divides by the tree's depth (the first forward plus depth - 1 level forwards).
+The previous step's tokens are the accepted chain's (depth + 1 per request): op counts depend
+on the tree and the batch size, not on token counts. The target-side tree verification and KV
+compaction (rocdraft/tree_step.py) are not part of the drafter and not counted here.
+
 Usage: python scripts/bench_drafter.py [--batch-size B ...] [-k K] [--repeat R] [--json]
+       [--no-trees] [--tree-depth D --tree-top-k K --tree-total-tokens N]
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ from rocdraft.backends.kv_cache import compute_slot_mapping
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.torch_sdpa import TorchSDPABackend
 from rocdraft.drafter.eagle import EagleProposer
+from rocdraft.drafter.tree_spec import EAGLE_DEFAULT_TREE, DynamicTree, StaticTree
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "item"}
 HIDDEN, VOCAB, BLOCK_SIZE, MAX_MODEL_LEN = 64, 256, 16, 1024
@@ -179,17 +190,76 @@ def measure(batch_size: int, k: int, repeat: int) -> dict:
             "us_per_draft_step": round(elapsed_us / k, 1)}
 
 
+def measure_tree(batch_size: int, tree: StaticTree | DynamicTree, repeat: int) -> dict:
+    """Ops, host syncs and microseconds of one ``propose_tree`` call (the padded path)."""
+    counter_ref = [None]
+    head = StubHead(counter_ref)
+    depth = tree.depth
+    proposer = EagleProposer(head, TorchSDPABackend, depth,
+                             max_num_tokens=batch_size * (tree.num_nodes + 1),
+                             max_num_seqs=batch_size, max_model_len=MAX_MODEL_LEN,
+                             block_size=BLOCK_SIZE, vocab_size=VOCAB, device="cpu", tree=tree)
+    count_builder(proposer.builder, counter_ref)
+    common, positions, token_ids, hidden, sampled = make_step(batch_size, depth)
+    discard = torch.zeros(batch_size, dtype=torch.bool)
+    backup = torch.zeros(batch_size, dtype=torch.long)
+    num_drafts = torch.full((batch_size,), depth)
+
+    def one_step():
+        next_ids, _, indices, _ = proposer.prepare_padded(sampled, discard, backup, common,
+                                                          num_drafts)
+        return proposer.propose_tree(token_ids, positions, hidden, next_ids, indices, common,
+                                     [], None)
+
+    one_step()  # warm-up
+    counter = OpCounter()
+    counter_ref[0] = counter
+    with counter:
+        drafts = one_step()
+    counter_ref[0] = None
+    start = time.perf_counter()
+    for _ in range(repeat):
+        one_step()
+    elapsed_us = (time.perf_counter() - start) / repeat * 1e6
+    kind = "static" if isinstance(tree, StaticTree) else "dynamic"
+    shape = (f"{tree.num_nodes} nodes, depth {depth}" if kind == "static" else
+             f"d{tree.depth}/k{tree.top_k}/n{tree.total_tokens}")
+    return {"batch_size": batch_size, "tree": kind, "shape": shape,
+            "nodes": int(drafts.num_nodes[0]), "depth": depth,
+            "ops_per_tree_step": counter.bookkeeping_ops,
+            "ops_per_level": round(counter.bookkeeping_ops / depth, 2),
+            "metadata_builder_ops_per_tree_step": counter.builder_ops,
+            "model_ops_per_tree_step_stub": counter.model_ops,
+            "host_syncs_per_tree_step": counter.syncs,
+            "us_per_tree_step": round(elapsed_us, 1),
+            "us_per_level": round(elapsed_us / depth, 1)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, action="append", default=None)
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-trees", dest="trees", action="store_false",
+                        help="chain figures only")
+    parser.add_argument("--tree-depth", type=int, default=5)
+    parser.add_argument("--tree-top-k", type=int, default=4)
+    parser.add_argument("--tree-total-tokens", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [measure(b, args.k, args.repeat) for b in (args.batch_size or [1, 8, 64])]
+    batch_sizes = args.batch_size or [1, 8, 64]
+    rows = [measure(b, args.k, args.repeat) for b in batch_sizes]
+    trees = []
+    if args.trees:
+        from rocdraft.config import SpeculativeConfig
+
+        dynamic = SpeculativeConfig(tree_depth=args.tree_depth, tree_top_k=args.tree_top_k,
+                                    tree_total_tokens=args.tree_total_tokens).draft_tree()
+        for shape in (StaticTree(EAGLE_DEFAULT_TREE), dynamic):
+            trees += [measure_tree(b, shape, args.repeat) for b in batch_sizes]
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps(rows + trees if args.trees else rows))
         return 0
     print(f"drafter bookkeeping outside the model, padded path, k={args.k}, torch path on "
           f"{'a GPU' if torch.cuda.is_available() else 'the CPU'} (goal <= 15 ops per draft "
@@ -201,6 +271,17 @@ def main() -> int:
               f"{r['ops_per_single_token_step']!s:>14} "
               f"{r['metadata_builder_ops_per_draft_step']:>16} {r['host_syncs_per_propose']:>5} "
               f"{r['us_per_propose']:>10} {r['us_per_draft_step']:>8}")
+    if trees:
+        print("\ntree steps (one propose_tree: prepare_padded, first forward, a forward per "
+              "level)")
+        print(f"{'tree':<24} {'batch':>5} {'ops/step':>8} {'ops/level':>9} "
+              f"{'builder ops/step':>16} {'syncs':>5} {'us/step':>8} {'us/level':>8}")
+        for r in trees:
+            print(f"{r['tree'] + ' ' + r['shape']:<24} {r['batch_size']:>5} "
+                  f"{r['ops_per_tree_step']:>8} {r['ops_per_level']:>9} "
+                  f"{r['metadata_builder_ops_per_tree_step']:>16} "
+                  f"{r['host_syncs_per_tree_step']:>5} {r['us_per_tree_step']:>8} "
+                  f"{r['us_per_level']:>8}")
     return 0
 
 

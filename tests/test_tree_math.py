@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from rocdraft.backends.kv_cache import PADDING_SLOT_ID
 from rocdraft.drafter.tree_math import (ancestor_mask, dynamic_tree_num_candidates,
-                                        expand_frontier, leaf_mask, node_depths, node_paths,
-                                        select_frontier, select_tree, select_tree_batch_budget,
-                                        tree_positions, tree_slot_mapping)
+                                        expand_frontier, extend_ancestor_mask, leaf_mask,
+                                        node_depths, node_paths, select_frontier, select_tree,
+                                        select_tree_batch_budget, tree_positions,
+                                        tree_slot_mapping)
 from rocdraft.errors import RocdraftError
 
 FAST = settings(max_examples=60, deadline=None)
@@ -73,6 +74,39 @@ def test_tree_structure_matches_naive_per_node_loop(data):
             assert paths[b, i].tolist() == chain[::-1] + [-1] * (max_depth - len(chain))
             assert bool(leaves[b, i]) == (i not in par)
         assert mask[b, 0].tolist() == [True] + [False] * num_nodes
+
+
+# --- extend_ancestor_mask ---------------------------------------------------------------------
+
+def test_extend_ancestor_mask_docstring_example():
+    mask = extend_ancestor_mask(torch.ones(1, 1, 1, dtype=torch.bool), torch.tensor([[0, -1]]))
+    assert mask.dtype == torch.bool
+    assert mask.int().tolist() == [[[1, 0, 0], [1, 1, 0], [0, 0, 1]]]
+
+
+@FAST
+@given(st.data())
+def test_extend_ancestor_mask_level_by_level_equals_ancestor_mask(data):
+    """Growing a tree level by level (each level's parents among the earlier nodes, in any
+    order: a dynamic tree's frontier is not sorted by parent) rebuilds the node-only part of
+    ancestor_mask of the whole tree."""
+    batch = data.draw(st.integers(1, 3))
+    widths = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=5))
+    bfs = data.draw(st.booleans())  # parents in the previous level only (BFS levels)
+    rows = [[] for _ in range(batch)]
+    mask = torch.zeros(batch, 0, 0, dtype=torch.bool)
+    start = prev = 0
+    for width in widths:
+        level = []
+        low = prev if bfs else -1  # the previous level only, or any earlier node or the root
+        for b in range(batch):
+            level.append([data.draw(st.integers(low, start - 1)) if start else -1
+                          for _ in range(width)])
+            rows[b] += level[b]
+        mask = extend_ancestor_mask(mask, torch.tensor(level))
+        prev, start = start, start + width
+        assert mask.shape == (batch, start, start)
+        assert torch.equal(mask, ancestor_mask(torch.tensor(rows))[:, 1:, 1:])
 
 
 # --- tree_positions ---------------------------------------------------------------------------
@@ -401,6 +435,8 @@ def test_every_function_runs_on_meta_tensors_so_none_reads_a_value():
     meta = dict(device="meta")
     parents = torch.empty(2, 7, dtype=torch.int64, **meta)
     assert ancestor_mask(parents).shape == (2, 8, 8)
+    assert extend_ancestor_mask(torch.empty(2, 7, 7, dtype=torch.bool, **meta),
+                                torch.empty(2, 3, dtype=torch.int64, **meta)).shape == (2, 10, 10)
     depths = node_depths(parents)
     assert node_paths(parents, 3).shape == (2, 7, 3) and leaf_mask(parents).shape == (2, 7)
     context = torch.empty(2, dtype=torch.int64, **meta)

@@ -191,3 +191,20 @@ def test_static_tree_tables_match_naive_per_node_loop(paths, rng: random.Random)
         node = nodes[leaf]
         want = [nodes.index(node[:d]) for d in range(1, len(node) + 1)]
         assert row == want + [-1] * (depth - len(node))
+
+
+def test_budget_shape_docstring_examples_and_bounds():
+    from rocdraft.drafter.tree_spec import DynamicTree, budget_shape, draft_lookahead
+    from rocdraft.drafter.tree_math import dynamic_tree_num_candidates
+
+    tree = DynamicTree(5, 4, 16)
+    assert budget_shape(tree, 15) is tree and budget_shape(tree, 40) is tree
+    assert budget_shape(tree, 4) == DynamicTree(4, 2, 15)
+    assert budget_shape(tree, 2) == DynamicTree(2, 2, 7)
+    assert budget_shape(tree, 1) == DynamicTree(1, 1, 2)
+    assert draft_lookahead(tree) == 16
+    for n in range(1, 16):  # never larger than the tree, always more candidates than n
+        shape = budget_shape(tree, n)
+        assert shape.depth <= tree.depth and shape.top_k <= tree.top_k
+        assert shape.num_fed <= tree.num_fed and shape.num_nodes <= tree.num_nodes
+        assert dynamic_tree_num_candidates(shape.depth, shape.top_k) >= min(n + 1, 2 * n)
