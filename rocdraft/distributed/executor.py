@@ -119,6 +119,11 @@ class TensorParallelExecutor:
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._ranks.procs]
 
+    @property
+    def worker_exit_codes(self) -> list[int | None]:
+        """Exit code per spawned worker (None: still running); 0 after a clean close()."""
+        return [p.exitcode for p in self._ranks.procs]
+
     def graph_capture_refusal(self) -> str:
         """Why the draft loop runs eagerly under tensor parallelism."""
         if self.backend == "gloo":
