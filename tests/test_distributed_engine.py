@@ -206,3 +206,25 @@ def test_cli_generate_tp2_equals_tp1(pair, capsys):
     assert run(2) == run(1)
     gc.collect()
     assert_no_children()
+
+
+def test_torchrun_launch_equals_tp1(pair, tmp_path):
+    """Under torchrun every rank runs the same command: rank 0 the engine, rank 1 turns into
+    a worker inside the LLM constructor and exits 0 when rank 0 closes."""
+    import subprocess
+    import sys
+
+    from rocdraft.distributed.group import free_port
+
+    def run(launcher: tuple[str, ...], tp: int) -> list:
+        argv = [*launcher, "-m", "rocdraft.cli", "generate", "--target", pair["target"],
+                "--draft", pair["eagle3"], "--prompt-ids", "1,5,7,9", "--max-new-tokens", "8",
+                "--ignore-eos", "--json", "--tensor-parallel-size", str(tp)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "TRITON_INTERPRET": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return [o["token_ids"] for o in json.loads(done.stdout)["outputs"]]
+
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(free_port()))
+    assert run(torchrun, 2) == run((sys.executable,), 1)
