@@ -23,12 +23,13 @@ from rocdraft.backends.base import Feature
 from rocdraft.backends.kv_cache import allocate_kv_cache
 from rocdraft.config import (EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig,
                              check_int)
+from rocdraft.distributed.engine_setup import start_tensor_parallel, worker_spec
+from rocdraft.distributed.group import DEFAULT_TIMEOUT_S
 from rocdraft.draft_policy import (EXPLORE_EVERY, AcceptanceTracker, StepCosts, batch_bucket,
                                    choose_num_drafts)
 from rocdraft.drafter.eagle import EagleProposer
 from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets, graph_capture_refusal
 from rocdraft.errors import RocdraftError
-from rocdraft.distributed.group import DEFAULT_TIMEOUT_S
 from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_block,
                                 plan_kv_cache)
 from rocdraft.loading import load_draft_head, load_target_model
@@ -41,7 +42,6 @@ from rocdraft.sampler import SamplingTensorCache
 from rocdraft.scheduler import Scheduler, ScheduledRequest
 from rocdraft.step_batch import StepBatch, build_step_batch
 from rocdraft.step_costs import EngineParts, measure_step_costs
-from rocdraft.distributed.engine_setup import start_tensor_parallel, worker_spec
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -28,6 +28,7 @@ from rocdraft.errors import RocdraftError
 
 PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+FAST_BACKEND = "CPU_ATTN"
 SEEDED = [SamplingParams(temperature=0.9, top_k=50, max_tokens=8, seed=s, ignore_eos=True)
           for s in (11, 12, 13, 14)]
 
@@ -52,6 +53,12 @@ def _children() -> list[int]:
 def assert_no_children() -> None:
     assert multiprocessing.active_children() == []
     assert _children() == []
+
+
+def _llm(*args, **kwargs) -> LLM:
+    """An LLM on the CPU's fastest backend (the backend matrix runs in
+    test_speculative_tp2_equals_tp1 only: Triton's interpreter over several ranks is slow)."""
+    return LLM(*args, **{"attention_backend": FAST_BACKEND, **kwargs})
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -93,7 +100,7 @@ def test_speculative_tp2_equals_tp1(pair, reference, method):
 
 
 def test_ragged_batch_with_preemption_tp2(pair, reference):
-    with LLM(pair["target"], pair["eagle3"], _spec("eagle3", 4), tensor_parallel_size=2,
+    with _llm(pair["target"], pair["eagle3"], _spec("eagle3", 4), tensor_parallel_size=2,
              block_size=4, num_kv_blocks=20, max_model_len=64) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
         assert llm.last_stats.num_preemptions > 0
@@ -104,7 +111,7 @@ def test_ragged_batch_with_preemption_tp2(pair, reference):
 
 def test_tp4_replicated_kv_heads(pair, reference):
     """4 query heads, 2 KV heads: each of the 4 ranks holds one replicated KV head."""
-    with LLM(pair["target"], pair["eagle"], _spec("eagle"), tensor_parallel_size=4) as llm:
+    with _llm(pair["target"], pair["eagle"], _spec("eagle"), tensor_parallel_size=4) as llm:
         assert llm.target.kv_cache_spec()[1] == 1
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
         assert llm.last_stats.acceptance_length > 1.5
@@ -120,8 +127,8 @@ def test_target_only_tp2_equals_tp1(kind, tmp_path):
         path = write_tiny_llama(tmp_path / kind, kind="llama", seed=2, tokenizer=False)
         if kind == "mistral":
             make_mistral(path)
-    expected = _tokens(LLM(str(path)).generate(PROMPTS, GREEDY))
-    with LLM(str(path), tensor_parallel_size=2) as llm:
+    expected = _tokens(_llm(str(path)).generate(PROMPTS, GREEDY))
+    with _llm(str(path), tensor_parallel_size=2) as llm:
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
     assert_no_children()
 
@@ -134,7 +141,7 @@ def test_target_only_tp2_equals_tp1(kind, tmp_path):
 ])
 def test_refusals_before_any_worker_starts(pair, kwargs, message):
     with pytest.raises(RocdraftError, match=message):
-        LLM(pair["target"], **kwargs)
+        _llm(pair["target"], **kwargs)
     assert_no_children()
 
 
@@ -152,7 +159,7 @@ def test_idle_keepalive_then_worker_killed_mid_generate(pair):
     """An engine idle for longer than the collective timeout still works (keep-alive NOPs);
     a worker SIGKILLed mid-generation makes generate raise within seconds, naming the rank and
     its exit code, and leaves no process behind."""
-    llm = LLM(pair["target"], pair["eagle3"], _spec("eagle3"), tensor_parallel_size=2,
+    llm = _llm(pair["target"], pair["eagle3"], _spec("eagle3"), tensor_parallel_size=2,
               distributed_timeout_s=2.0)
     time.sleep(2.5)
     assert len(llm.generate(PROMPTS[:1], GREEDY)[0].token_ids) == 10
@@ -171,24 +178,55 @@ def test_idle_keepalive_then_worker_killed_mid_generate(pair):
 
 
 def test_close_and_garbage_collection_stop_the_workers(pair):
-    llm = LLM(pair["target"], tensor_parallel_size=2)
+    llm = _llm(pair["target"], tensor_parallel_size=2)
     assert len(_children()) == 1
     llm.close()
     llm.close()
     assert llm.executor.worker_exit_codes == [0]  # told SHUTDOWN and left, not killed
     assert_no_children()
-    llm = LLM(pair["target"], tensor_parallel_size=2)  # dropped without close(): finalizer
+    llm = _llm(pair["target"], tensor_parallel_size=2)  # dropped without close(): finalizer
     del llm
     gc.collect()
     assert_no_children()
 
 
+def test_ctrl_c_mid_generate_leaves_no_worker(pair):
+    """SIGINT reaches rank 0 mid-generation: KeyboardInterrupt propagates; inside a
+    tensor-parallel call the ranks are out of step and the workers are killed at once,
+    between calls they stay in step and close() stops them; either way none is left."""
+    llm = _llm(pair["target"], tensor_parallel_size=2)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3]] * 4, long)
+    llm.close()
+    assert_no_children()
+
+
+def test_interrupt_inside_a_call_kills_the_workers(pair, monkeypatch):
+    llm = _llm(pair["target"], tensor_parallel_size=2)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.target.module, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:1], GREEDY)
+    assert_no_children()
+    with pytest.raises(RocdraftError, match="shut down: interrupted during a tensor-parallel"):
+        llm.generate(PROMPTS[:1], GREEDY)
+    llm.close()
+
+
 def test_two_tp_engines_in_one_process(pair, reference):
     """``rocdraft bench`` holds two engines at once: each has its own process group."""
-    with LLM(pair["target"], tensor_parallel_size=2) as a, \
-            LLM(pair["target"], pair["eagle"], _spec("eagle"), tensor_parallel_size=2) as b:
+    with _llm(pair["target"], tensor_parallel_size=2) as a, \
+            _llm(pair["target"], pair["eagle"],  # and the unpadded drafting path
+                SpeculativeConfig("eagle", 3, draft_policy="fixed", padded_drafting=False),
+                tensor_parallel_size=2) as b:
         assert _tokens(a.generate(PROMPTS, GREEDY)) == reference["greedy"]
         assert _tokens(b.generate(PROMPTS, GREEDY)) == reference["greedy"]
+        assert b.last_stats.acceptance_length > 1.5
     assert_no_children()
 
 
@@ -199,7 +237,7 @@ def test_cli_generate_tp2_equals_tp1(pair, capsys):
         argv = ["generate", "--target", pair["target"], "--draft", pair["eagle3"],
                 "--num-speculative-tokens", "2", "--prompt-ids", "1,5,7,9", "--prompt-ids",
                 "4,4,4", "--max-new-tokens", "8", "--ignore-eos", "--json",
-                "--tensor-parallel-size", str(tp)]
+                "--tensor-parallel-size", str(tp), "--attention-backend", FAST_BACKEND]
         assert main(argv) == 0
         return [o["token_ids"] for o in json.loads(capsys.readouterr().out)["outputs"]]
 
@@ -219,7 +257,8 @@ def test_torchrun_launch_equals_tp1(pair, tmp_path):
     def run(launcher: tuple[str, ...], tp: int) -> list:
         argv = [*launcher, "-m", "rocdraft.cli", "generate", "--target", pair["target"],
                 "--draft", pair["eagle3"], "--prompt-ids", "1,5,7,9", "--max-new-tokens", "8",
-                "--ignore-eos", "--json", "--tensor-parallel-size", str(tp)]
+                "--ignore-eos", "--json", "--tensor-parallel-size", str(tp),
+                "--attention-backend", FAST_BACKEND]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
                               env={**os.environ, "TRITON_INTERPRET": "1"})
         assert done.returncode == 0, done.stderr[-2000:]
