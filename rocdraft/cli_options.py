@@ -59,6 +59,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-attention-backend", default=None)
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture the draft loop in a CUDA/HIP graph")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the target over N processes (N GPUs; gloo processes on the "
+                        "CPU); rank 0 is this process, the others are started (or come from "
+                        "torchrun)")
+    p.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
+                   help="collectives of --tensor-parallel-size > 1 (default: nccl, i.e. "
+                        "RCCL on ROCm, on GPUs; gloo on the CPU)")
     size = p.add_argument_group("KV cache and batch sizing (the LLM arguments of the same name)")
     size.add_argument("--max-num-seqs", type=int, default=None,
                       help="requests running at once (default 64)")
@@ -137,7 +144,17 @@ def make_llm_kwargs(args) -> dict:
             "dtype": args.dtype, "device": args.device,
             "attention_backend": args.attention_backend,
             "draft_attention_backend": args.draft_attention_backend,
-            "block_size": args.block_size, **sizing_kwargs(args)}
+            "block_size": args.block_size, **sizing_kwargs(args), **parallel_kwargs(args)}
+
+
+def parallel_kwargs(args) -> dict:
+    """--tensor-parallel-size / --distributed-backend as LLM keyword arguments (none at TP 1
+    without a backend: the single-device engine's defaults)."""
+    size = getattr(args, "tensor_parallel_size", 1)
+    backend = getattr(args, "distributed_backend", None)
+    if size == 1 and backend is None:
+        return {}
+    return {"tensor_parallel_size": size, "distributed_backend": backend}
 
 
 def make_llm(args):

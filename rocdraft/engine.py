@@ -28,6 +28,8 @@ from rocdraft.backends.base import Feature
 from rocdraft.backends.kv_cache import allocate_kv_cache
 from rocdraft.config import (EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig,
                              check_int)
+from rocdraft.distributed.engine_setup import start_tensor_parallel, worker_spec
+from rocdraft.distributed.group import DEFAULT_TIMEOUT_S
 from rocdraft.draft_policy import (EXPLORE_EVERY, AcceptanceTracker, StepCosts, batch_bucket,
                                    choose_num_drafts)
 from rocdraft.drafter.eagle import EagleProposer
@@ -62,11 +64,21 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  kv_cache_memory: int | float | str | None = None,
-                 gpu_memory_utilization: float | None = None) -> None:
+                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
+                 distributed_backend: str | None = None,
+                 distributed_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """KV-cache size (``rocdraft.kv_budget``): ``num_kv_blocks``, or ``kv_cache_memory``
         bytes ("2GiB"), or ``gpu_memory_utilization`` (a fraction of the free GPU memory), or
         by default what ``max_num_seqs`` x ``max_model_len`` needs, capped (256 MiB on the
-        CPU); the draft head's cache shares the same budget."""
+        CPU); the draft head's cache shares the same budget (per rank under tensor
+        parallelism: each rank's caches hold its KV heads).
+
+        ``tensor_parallel_size`` N > 1 runs the target sharded over N processes (this one is
+        rank 0; rocdraft/distributed/executor.py starts the others, or torchrun did);
+        ``distributed_backend`` gloo | nccl (default nccl on GPUs, gloo on the CPU);
+        ``distributed_timeout_s`` bounds every collective. Call ``close()`` (or use the
+        engine as a context manager) to stop the workers."""
+        self.executor = None
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("num_kv_blocks", num_kv_blocks), ("max_model_len", max_model_len)):
@@ -94,11 +106,18 @@ class LLMEngine:
         self.device, self.torch_dtype = device, _DTYPES[dtype]
         kind = "cpu" if device == "cpu" else platform.kind
         tree_features = (Feature.TREE_DRAFTING,) if self.tree is not None else ()
+        if tensor_parallel_size != 1:  # refusals before any weight loads
+            self.executor = start_tensor_parallel(target, tensor_parallel_size,
+                                                  distributed_backend, device,
+                                                  distributed_timeout_s)
+        executor = self.executor
         self.target, self.tokenizer, self.backend = load_target_model(
             target, self.torch_dtype, device, kind, block_size,
             attention_backend or envs.checked_backend(envs.ATTENTION_BACKEND,
                                                       registry.registered_names()),
-            tree_features)
+            tree_features, executor and executor.group, executor and executor.counter)
+        if executor is not None:
+            self.target = executor.wrap_target(self.target)
         cfg = self.target.config
         self.max_model_len = min(max_model_len if max_model_len is not None
                                  else cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -142,6 +161,20 @@ class LLMEngine:
         self.sampling_cache = SamplingTensorCache()  # a batch's sampling tensors, kept across steps
         # True: synchronise a GPU at each phase boundary so the time split is exact (bench).
         self.sync_timing = False
+        if executor is not None:
+            executor.start_workers(worker_spec(self, block_size, num_blocks))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (SHUTDOWN, join, kill leftovers); idempotent,
+        nothing to do at TP 1. Also run at interpreter exit and on garbage collection."""
+        if self.executor is not None:
+            self.executor.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _setup_drafter(self, spec: SpeculativeConfig, kind: str, block_size: int,
                        num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -153,6 +186,8 @@ class LLMEngine:
             block_size, self.backend.name, self.config.draft_attention_backend,
             spec.num_speculative_tokens, need_graphs=kind != "cpu" and not spec.enforce_eager,
             arch=arch, features=(Feature.TREE_DRAFTING,) if self.tree is not None else ())
+        if self.executor is not None:
+            self.head = self.executor.wrap_head(self.head)
         self.draft_backend, self.draft_backend_reason = draft_selection.backend, \
             draft_selection.reason
         log.info("draft attention backend %s: %s", self.draft_backend.name,
@@ -178,6 +213,8 @@ class LLMEngine:
         self.proposer.validate_kv_caches(self.draft_kv_caches)
         self.draft_graph_refusal = graph_capture_refusal(self.draft_backend, self.device,
                                                          spec.enforce_eager)
+        if self.executor is not None and not spec.enforce_eager:
+            self.draft_graph_refusal = self.executor.graph_capture_refusal()
         if self.draft_graph_refusal is None and self.tree is not None:
             if self.proposer.tree_drafter.level_ends:  # a depth-1 tree has no level loop
                 self.proposer.tree_runner = TreeLoopRunner(

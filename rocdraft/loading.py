@@ -12,14 +12,21 @@ from rocdraft.models.tokenizer import load_tokenizer
 
 def load_target_model(path: str, dtype: torch.dtype, device: str, platform_kind: str,
                       block_size: int, backend_name: str | None,
-                      features: tuple[registry.Feature, ...] = ()):
+                      features: tuple[registry.Feature, ...] = (), group=None, counter=None):
     """-> (target model, tokenizer or None, attention backend class). ``features``: what the
-    target's backend must declare besides the model's shapes (TREE_DRAFTING for trees)."""
+    target's backend must declare besides the model's shapes (TREE_DRAFTING for trees). With
+    a parallel ``group`` (distributed.group.ParallelGroup): this rank's shards
+    (distributed.tp_model), their collectives counted in ``counter``."""
     config = load_model_config(path)
     req = registry.ModelRequirements(block_size=block_size, head_dim=config.head_dim,
                                      dtype=dtype, features=features)
     backend = registry.select_backend(platform_kind, backend_name, req).backend
-    model = load_target(path, dtype, device, backend)
+    if group is not None and group.is_parallel:
+        from rocdraft.distributed.tp_model import load_tp_target
+
+        model = load_tp_target(path, group, dtype, device, backend, counter)
+    else:
+        model = load_target(path, dtype, device, backend)
     return model, load_tokenizer(path), backend
 
 

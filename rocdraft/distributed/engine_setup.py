@@ -1,0 +1,39 @@
+"""The few engine-facing steps of tensor parallelism, kept out of rocdraft/engine.py.
+
+``start_tensor_parallel`` refuses a size the target cannot split (``check_tensor_parallel``:
+tp < 1, not dividing the heads / KV heads / MLP rows, more than the visible GPUs) before any
+weight loads, then starts the executor (the workers, or torchrun's group). ``worker_spec``
+is what the workers need from the constructed engine: the chosen attention backends and the
+KV-cache blocks per rank (planned on rank 0 from the per-rank ``kv_cache_spec``).
+"""
+from __future__ import annotations
+
+import torch
+
+from rocdraft.distributed.executor import TensorParallelExecutor, start_executor
+from rocdraft.distributed.validation import check_tensor_parallel
+from rocdraft.distributed.worker import WorkerSpec
+from rocdraft.models.config import load_model_config
+
+
+def start_tensor_parallel(target: str, tp_size: int, backend: str | None, device: str,
+                          timeout_s: float) -> TensorParallelExecutor:
+    num_visible_gpus = None if device == "cpu" else torch.cuda.device_count()
+    check_tensor_parallel(load_model_config(target), tp_size, num_visible_gpus)
+    return start_executor(tp_size, backend, device, timeout_s)
+
+
+def worker_spec(engine, block_size: int, num_blocks: int) -> WorkerSpec:
+    """The spec of ``engine`` (an LLMEngine whose target and head are loaded)."""
+    config = engine.config
+    threads = max(1, torch.get_num_threads() // engine.executor.tp_size)
+    return WorkerSpec(
+        target=config.target, draft=config.draft,
+        dtype={v: k for k, v in _DTYPE_NAMES.items()}[engine.torch_dtype],
+        device="cpu" if engine.device == "cpu" else "cuda",
+        attention_backend=engine.backend.name,
+        draft_attention_backend=engine.draft_backend.name if engine.draft_backend else None,
+        block_size=block_size, num_blocks=num_blocks, num_threads=threads)
+
+
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
