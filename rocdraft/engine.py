@@ -362,7 +362,7 @@ class LLMEngine:
             verified_tree = verify_tree_step(logits, batch, sampling, self.tree.depth)
             sampled = verified_tree.sampled
             compact_target_kv(self.kv_caches, batch, verified_tree,
-                              self.scheduler_config.block_size)
+                              self.scheduler_config.block_size, self.executor)
         else:
             sampled = rejection_sample(logits, batch.draft_token_ids, batch.num_draft_tokens,
                                        batch.num_draft_tokens_cpu, sampling)

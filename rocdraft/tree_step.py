@@ -39,12 +39,20 @@ def context_lens(batch: StepBatch) -> torch.Tensor:
 
 
 def compact_target_kv(kv_caches: list[LayerKVCache], batch: StepBatch,
-                      result: TreeVerifyResult, block_size: int) -> None:
+                      result: TreeVerifyResult, block_size: int, executor=None) -> None:
     """Move each request's accepted nodes from L + 1 + node to L + depth in every layer
     (backends/kv_compact.py: the torch reference on the CPU, moves planned once for all
-    layers; HIP or Triton per layer on a GPU)."""
-    compact_kv_layers(kv_caches, batch.common.block_table, context_lens(batch),
-                      result.accepted_nodes, result.num_accepted, block_size)
+    layers; HIP or Triton per layer on a GPU). With a tensor-parallel ``executor`` every
+    rank compacts its own KV heads the same way (one TARGET_COMPACT message)."""
+    args = (batch.common.block_table, context_lens(batch), result.accepted_nodes,
+            result.num_accepted)
+    if executor is None:
+        compact_kv_layers(kv_caches, *args, block_size)
+        return
+    from rocdraft.distributed.messages import TARGET_COMPACT
+
+    executor.call(TARGET_COMPACT, lambda: compact_kv_layers(kv_caches, *args, block_size),
+                  compact=args)
 
 
 def head_inputs_after_tree(batch: StepBatch, hidden, result: TreeVerifyResult

@@ -99,6 +99,20 @@ def test_speculative_tp2_equals_tp1(pair, reference, method):
     assert len(pids) == 1 and llm.executor.worker_exit_codes == [0]
 
 
+@pytest.mark.parametrize("tree", [dict(speculative_token_tree="[(0,), (1,), (0, 0), (0, 1), (1, 0)]"),
+                                  dict(tree_depth=3, tree_top_k=2, tree_total_tokens=6)],
+                         ids=["static", "dynamic"])
+def test_tree_speculation_tp2_equals_tp1(pair, reference, tree):
+    """Tree steps under TP: the tree-masked verify and the head's levels go through the
+    proxies, and every rank compacts its own KV heads (TARGET_COMPACT); without the
+    compaction message the workers' caches go stale and the tokens differ."""
+    with _llm(pair["target"], pair["eagle3"], SpeculativeConfig("eagle3", **tree),
+              tensor_parallel_size=2) as llm:
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
+        assert llm.last_stats.acceptance_length > 1.5
+    assert_no_children()
+
+
 def test_ragged_batch_with_preemption_tp2(pair, reference):
     with _llm(pair["target"], pair["eagle3"], _spec("eagle3", 4), tensor_parallel_size=2,
              block_size=4, num_kv_blocks=20, max_model_len=64) as llm:

@@ -63,3 +63,15 @@ def test_logits_message_has_no_ints_and_refuses_other_dtypes():
     assert msg.hidden_shape(header.tolist()) == ((3, 8), torch.float32)
     with pytest.raises(ValueError, match="dtype torch.float64"):
         msg.encode(msg.TARGET_LOGITS, hidden=torch.zeros(3, 8, dtype=torch.float64))
+
+
+def test_compaction_message_round_trip():
+    table = torch.tensor([[3, 4, -1], [5, -1, -1]], dtype=torch.int32)
+    lens = torch.tensor([7, 2], dtype=torch.int32)
+    nodes = torch.tensor([[0, 2, -1], [-1, -1, -1]])
+    accepted = torch.tensor([2, 0])
+    header, ints, hidden = msg.encode(msg.TARGET_COMPACT, compact=(table, lens, nodes, accepted))
+    fields = header.tolist()
+    assert hidden is None and ints.numel() == msg.ints_numel(fields) == 6 + 2 + 6 + 2
+    for got, expected in zip(msg.decode_compact(fields, ints), (table, lens, nodes, accepted)):
+        assert torch.equal(got, expected) and got.dtype == expected.dtype

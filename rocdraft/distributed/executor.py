@@ -148,9 +148,10 @@ class TensorParallelExecutor:
         could not, naming the rank and its error)."""
         self._ranks.start_workers(spec)
 
-    def call(self, op: int, local, input_ids=None, positions=None, common=None, hidden=None):
+    def call(self, op: int, local, input_ids=None, positions=None, common=None, hidden=None,
+             compact=None):
         """Broadcast ``op`` with its inputs, then run ``local()`` -> its result."""
-        return self._ranks.call(op, local, input_ids, positions, common, hidden)
+        return self._ranks.call(op, local, input_ids, positions, common, hidden, compact)
 
     def close(self) -> None:
         self._finalizer()
@@ -245,14 +246,14 @@ class _Ranks:
                 raise RocdraftError(f"tensor-parallel workers {sorted(pending)} did not "
                                     f"{stage} within {timeout_s:.0f} s")
 
-    def call(self, op, local, input_ids, positions, common, hidden):
+    def call(self, op, local, input_ids, positions, common, hidden, compact=None):
         with self.lock:
             if self.closed or self.failure:
                 raise RocdraftError(f"the tensor-parallel engine is shut down"
                                     f"{': ' + self.failure if self.failure else ''}; build a "
                                     f"new LLM")
             try:
-                self._send(op, input_ids, positions, common, hidden)
+                self._send(op, input_ids, positions, common, hidden, compact)
                 result = local()
             except RuntimeError as e:  # torch.distributed errors (DistBackendError, ...)
                 raise self._failed(e) from None
@@ -269,8 +270,9 @@ class _Ranks:
         except RuntimeError as e:
             raise self._failed(e) from None
 
-    def _send(self, op, input_ids=None, positions=None, common=None, hidden=None) -> None:
-        header, ints, hidden = msg.encode(op, input_ids, positions, common, hidden)
+    def _send(self, op, input_ids=None, positions=None, common=None, hidden=None,
+              compact=None) -> None:
+        header, ints, hidden = msg.encode(op, input_ids, positions, common, hidden, compact)
         for tensor in (header.to(self.device), ints, hidden):
             if tensor is not None:
                 dist.broadcast(tensor, group=self.group.group, group_src=0)

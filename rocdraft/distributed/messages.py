@@ -28,8 +28,10 @@ from rocdraft.backends.metadata import CommonAttentionMetadata
 
 HEADER_SIZE = 16
 # Op codes.
-NOP, SHUTDOWN, TARGET_FORWARD, TARGET_LOGITS, HEAD_FORWARD, HEAD_LOGITS = range(6)
-OP_NAMES = ("NOP", "SHUTDOWN", "TARGET_FORWARD", "TARGET_LOGITS", "HEAD_FORWARD", "HEAD_LOGITS")
+NOP, SHUTDOWN, TARGET_FORWARD, TARGET_LOGITS, HEAD_FORWARD, HEAD_LOGITS, TARGET_COMPACT = \
+    range(7)
+OP_NAMES = ("NOP", "SHUTDOWN", "TARGET_FORWARD", "TARGET_LOGITS", "HEAD_FORWARD", "HEAD_LOGITS",
+            "TARGET_COMPACT")
 # Header fields.
 (OP, NUM_TOKENS, NUM_REQS, NUM_ACTUAL_TOKENS, MAX_QUERY_LEN, MAX_SEQ_LEN, CAUSAL, POS_ROWS,
  BLOCK_COLS, MASK_DIMS, MASK_SIZE, HIDDEN_ROWS, HIDDEN_COLS, HIDDEN_DTYPE, _SPARE,
@@ -39,9 +41,12 @@ TOKEN_OPS = (TARGET_FORWARD, HEAD_FORWARD)
 
 
 def encode(op: int, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-           common: CommonAttentionMetadata | None = None, hidden: torch.Tensor | None = None
+           common: CommonAttentionMetadata | None = None, hidden: torch.Tensor | None = None,
+           compact: tuple[torch.Tensor, ...] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """-> (header int64[16] on the CPU, ints int64 [...] or None, hidden [n, H] or None).
+    TARGET_COMPACT (tree KV compaction) carries ``compact`` = (block_table [B, cols],
+    context_lens [B], accepted_nodes [B, D], num_accepted [B]) in ``ints``.
 
     input_ids [num_tokens], positions [num_tokens] or [3, num_tokens], hidden [n, H]; ints
     and hidden stay on the inputs' device (no host sync)."""
@@ -66,6 +71,13 @@ def encode(op: int, input_ids: torch.Tensor | None = None, positions: torch.Tens
         if mask is not None:
             parts.append(mask)
         ints = torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
+    if op == TARGET_COMPACT:
+        block_table, context_lens, accepted_nodes, num_accepted = compact
+        header[NUM_REQS], header[BLOCK_COLS] = accepted_nodes.shape[0], block_table.shape[1]
+        header[NUM_TOKENS] = accepted_nodes.shape[1]  # D
+        ints = torch.cat([t.reshape(-1).to(torch.int64) for t in
+                          (block_table[:accepted_nodes.shape[0]], context_lens, accepted_nodes,
+                           num_accepted)])
     if hidden is not None:
         if hidden.dtype not in DTYPES:
             raise ValueError(f"hidden states of dtype {hidden.dtype}; valid: {DTYPES}")
@@ -77,6 +89,9 @@ def encode(op: int, input_ids: torch.Tensor | None = None, positions: torch.Tens
 
 def ints_numel(header: list[int]) -> int:
     """Length of the ``ints`` broadcast that follows ``header`` (0: none)."""
+    if header[OP] == TARGET_COMPACT:
+        b = header[NUM_REQS]
+        return b * header[BLOCK_COLS] + b + b * header[NUM_TOKENS] + b
     if header[OP] not in TOKEN_OPS:
         return 0
     n, b = header[NUM_TOKENS], header[NUM_REQS]
@@ -115,6 +130,15 @@ def decode_tokens(header: list[int], ints: torch.Tensor
         max_seq_len=header[MAX_SEQ_LEN], block_table=block_table.view(b, cols).to(torch.int32),
         slot_mapping=slots, causal=bool(header[CAUSAL]), spec_mask=mask)
     return input_ids, positions, common
+
+
+def decode_compact(header: list[int], ints: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inverse of ``encode`` for TARGET_COMPACT -> (block_table int32 [B, cols],
+    context_lens int32 [B], accepted_nodes int64 [B, D], num_accepted int64 [B])."""
+    b, cols, depth = header[NUM_REQS], header[BLOCK_COLS], header[NUM_TOKENS]
+    table, lens, nodes, accepted = torch.split(ints, [b * cols, b, b * depth, b])
+    return (table.view(b, cols).to(torch.int32).contiguous(), lens.to(torch.int32),
+            nodes.view(b, depth).contiguous(), accepted.contiguous())
 
 
 def _mask_shape(header: list[int]) -> tuple[int, ...] | None:

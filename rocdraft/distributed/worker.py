@@ -117,6 +117,11 @@ def _run(op: int, fields: list[int], ints, hidden, state: WorkerState) -> None:
         state.target.compute_logits(hidden)
     elif op == msg.HEAD_LOGITS:
         state.head.compute_draft_logits(hidden)
+    elif op == msg.TARGET_COMPACT:
+        from rocdraft.backends.kv_compact import compact_kv_layers
+
+        compact_kv_layers(state.kv_caches, *msg.decode_compact(fields, ints),
+                          state.kv_caches[0].block_size)
     elif op in msg.TOKEN_OPS:
         input_ids, positions, common = msg.decode_tokens(fields, ints)
         if op == msg.TARGET_FORWARD:
