@@ -68,6 +68,29 @@ def sdpa_gather_bytes(bucket: int, max_seq_len: int, num_kv_heads: int, head_dim
     return 2 * 4 * bucket * max_seq_len * num_kv_heads * head_dim
 
 
+def capture_per_bucket(buckets: tuple[int, ...], loop
+                       ) -> tuple[dict[int, "torch.cuda.CUDAGraph"], dict[int, int]]:
+    """Capture ``loop(bucket)`` as one CUDA/HIP graph per bucket, all in one memory pool
+    (largest bucket first, so the pool fits them all), after two warm-up runs on a side
+    stream -> (bucket -> graph, bucket -> memory reserved by its capture)."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs, capture_bytes = {}, {}
+    for bucket in sorted(buckets, reverse=True):
+        before = torch.cuda.memory_reserved()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: lazy inits, autotuning, allocator growth
+                loop(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            loop(bucket)
+        graphs[bucket] = graph
+        capture_bytes[bucket] = torch.cuda.memory_reserved() - before
+    return graphs, capture_bytes
+
+
 class DraftLoopRunner:
     def __init__(self, proposer, kv_caches: list[LayerKVCache], hidden_size: int,
                  max_blocks_per_seq: int, buckets: tuple[int, ...], use_graphs: bool,
@@ -125,21 +148,8 @@ class DraftLoopRunner:
             seq_len_bound=self.max_seq_len - steps, out=self.out[:bucket])
 
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
         self._pad_all()  # capture with padding rows only: nothing is written to the cache
-        for bucket in reversed(self.buckets):  # largest first, so the pool fits them all
-            before = torch.cuda.memory_reserved()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: lazy inits, autotuning, allocator growth
-                    self._loop(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._loop(bucket)
-            self.graphs[bucket] = graph
-            self.capture_bytes[bucket] = torch.cuda.memory_reserved() - before
+        self.graphs, self.capture_bytes = capture_per_bucket(self.buckets, self._loop)
         log.info("captured the draft loop for buckets %s (max_seq_len %d, memory reserved "
                  "per capture %s)", list(self.buckets), self.max_seq_len, self.capture_bytes)
 

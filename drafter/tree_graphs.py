@@ -31,6 +31,7 @@ import logging
 import torch
 
 from rocdraft.backends.kv_cache import LayerKVCache
+from rocdraft.drafter.graphs import capture_per_bucket
 from rocdraft.drafter.tree_draft import TreeDrafter, TreeDrafts
 
 log = logging.getLogger(__name__)
@@ -87,20 +88,7 @@ class TreeLoopRunner:
         self.num_nodes[:bucket].copy_(drafts.num_nodes)
 
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        for bucket in reversed(self.buckets):  # largest first, so the pool fits them all
-            before = torch.cuda.memory_reserved()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: lazy inits, autotuning, allocator growth
-                    self._loop(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._loop(bucket)
-            self.graphs[bucket] = graph
-            self.capture_bytes[bucket] = torch.cuda.memory_reserved() - before
+        self.graphs, self.capture_bytes = capture_per_bucket(self.buckets, self._loop)
         log.info("captured the tree loop for buckets %s (max_seq_len %d, memory reserved per "
                  "capture %s)", list(self.buckets), self.max_seq_len, self.capture_bytes)
 

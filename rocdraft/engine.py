@@ -469,61 +469,48 @@ class LLMEngine:
         """Drafts [batch_size, num_drafts] for every row (rows that did not sample are
         discarded); num_drafts >= 1 (the first draft forward also keeps the head's KV
         cache in step with the target's), default the cap ``drafts_per_request``."""
-        proposer, spec = self.proposer, self.config.speculative
         if num_drafts is None:
             num_drafts = max(self.drafts_per_request(batch.common.num_reqs), 1)
-        discard = batch.discard_request
-        if spec.padded_drafting:
-            next_ids, _, indices, rejected = proposer.prepare_padded(
-                sampled, discard, batch.backup_next_token_ids, batch.common,
-                batch.num_draft_tokens)
-            return proposer.propose(batch.input_ids, batch.positions, hidden, next_ids, indices,
-                                    batch.common, self.draft_kv_caches, num_rejected=rejected,
-                                    num_drafts=num_drafts)
-        sampled_cpu = sampled.tolist()
-        next_ids = proposer.prepare_next_token_ids_cpu(
-            sampled_cpu, discard.tolist(), batch.backup_next_token_ids.tolist())
-        num_rejected = torch.tensor([
-            d + 1 - sum(t >= 0 for t in row) if d > 0 else 0
-            for d, row in zip(batch.num_draft_tokens_cpu, sampled_cpu)], dtype=torch.int32)
-        common, kept = proposer.prepare_inputs(batch.common, num_rejected)
-        hidden = tuple(h[kept] for h in hidden) if isinstance(hidden, tuple) else hidden[kept]
-        last = (common.query_start_loc[1:] - 1).long()
-        return proposer.propose(batch.input_ids[kept], batch.positions[..., kept], hidden,
-                                torch.tensor(next_ids, device=self.device), last, common,
-                                self.draft_kv_caches, num_drafts=num_drafts)
+        args, rejected = self._head_inputs(batch, sampled, hidden)
+        return self.proposer.propose(*args, num_rejected=rejected, num_drafts=num_drafts)
 
     def _propose_tree(self, batch: StepBatch, sampled: torch.Tensor, hidden,
                       verified_tree) -> torch.Tensor:
         """Draft each row's next tree -> [B, 2N + 1] int64: tokens, parents, node count.
         After a tree step the batch is first reordered root + accepted path first, which
         makes the head's first forward the chain's (padded, or unpadded on the host)."""
-        proposer, spec = self.proposer, self.config.speculative
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
-        budget = spec.max_draft_tokens_per_step
-        if spec.padded_drafting:
-            next_ids, _, indices, _ = proposer.prepare_padded(
+        args, _ = self._head_inputs(batch, sampled, hidden)
+        trees = self.proposer.propose_tree(*args, self.config.speculative
+                                           .max_draft_tokens_per_step)
+        return torch.cat([trees.tokens, trees.parents, trees.num_nodes.view(-1, 1)], dim=1)
+
+    def _head_inputs(self, batch: StepBatch, sampled: torch.Tensor, hidden
+                     ) -> tuple[tuple, torch.Tensor | None]:
+        """The head's first-forward inputs -> ((token ids, positions, hidden, next token ids,
+        last token indices, metadata, draft KV caches), num_rejected [B] on the padded path
+        else None). Padded: rejected tokens stay as padding, no host sync; unpadded: they are
+        dropped on the host."""
+        proposer = self.proposer
+        if self.config.speculative.padded_drafting:
+            next_ids, _, indices, rejected = proposer.prepare_padded(
                 sampled, batch.discard_request, batch.backup_next_token_ids, batch.common,
                 batch.num_draft_tokens)
-            trees = proposer.propose_tree(batch.input_ids, batch.positions, hidden, next_ids,
-                                          indices, batch.common, self.draft_kv_caches, budget)
-        else:
-            sampled_cpu = sampled.tolist()
-            next_ids = proposer.prepare_next_token_ids_cpu(
-                sampled_cpu, batch.discard_request.tolist(),
-                batch.backup_next_token_ids.tolist())
-            num_rejected = torch.tensor([
-                d + 1 - sum(t >= 0 for t in row) if d > 0 else 0
-                for d, row in zip(batch.num_draft_tokens_cpu, sampled_cpu)], dtype=torch.int32)
-            common, kept = proposer.prepare_inputs(batch.common, num_rejected)
-            hidden = tuple(h[kept] for h in hidden) if isinstance(hidden, tuple) \
-                else hidden[kept]
-            last = (common.query_start_loc[1:] - 1).long()
-            trees = proposer.propose_tree(batch.input_ids[kept], batch.positions[..., kept],
-                                          hidden, torch.tensor(next_ids, device=self.device),
-                                          last, common, self.draft_kv_caches, budget)
-        return torch.cat([trees.tokens, trees.parents, trees.num_nodes.view(-1, 1)], dim=1)
+            return (batch.input_ids, batch.positions, hidden, next_ids, indices, batch.common,
+                    self.draft_kv_caches), rejected
+        sampled_cpu = sampled.tolist()
+        next_ids = proposer.prepare_next_token_ids_cpu(
+            sampled_cpu, batch.discard_request.tolist(), batch.backup_next_token_ids.tolist())
+        num_rejected = torch.tensor([
+            d + 1 - sum(t >= 0 for t in row) if d > 0 else 0
+            for d, row in zip(batch.num_draft_tokens_cpu, sampled_cpu)], dtype=torch.int32)
+        common, kept = proposer.prepare_inputs(batch.common, num_rejected)
+        hidden = tuple(h[kept] for h in hidden) if isinstance(hidden, tuple) else hidden[kept]
+        last = (common.query_start_loc[1:] - 1).long()
+        return (batch.input_ids[kept], batch.positions[..., kept], hidden,
+                torch.tensor(next_ids, device=self.device), last, common,
+                self.draft_kv_caches), None
 
     def _num_positions(self) -> int:
         """Acceptance statistics positions: the chain length, or the tree's depth."""
