@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed
 import torch.multiprocessing as mp
 
 RANK_TIMEOUT_S = 90.0
@@ -29,6 +30,10 @@ def _entry(worker, rank: int, world_size: int, port: int, args: tuple) -> None:
                                COLLECTIVE_TIMEOUT_S)
     try:
         worker(group, *args)
+        # Every rank reaches this point before any tears gloo down: destroying the group while
+        # a peer still has a collective (or the store) in flight can abort the process
+        # ("terminate called without an active exception", exit -6) after the work succeeded.
+        torch.distributed.barrier()
     finally:
         destroy_process_group()
 
