@@ -313,3 +313,79 @@ def test_graceful_shutdown_finishes_in_flight_and_exits_0(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _live_children(pid: int) -> list[int]:
+    """Pids of the live (not zombie) processes whose parent is ``pid``, read from /proc,
+    except multiprocessing's resource tracker."""
+    from pathlib import Path
+
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines()
+                          if ":\t" in line)
+            cmdline = (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(pid) \
+                and not fields.get("State", "").startswith("Z") \
+                and b"resource_tracker" not in cmdline:
+            found.append(int(status.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split(":", 1)[1]
+                           for line in f)
+    except OSError:
+        return False
+
+
+def test_tensor_parallel_server_equals_generate_and_leaves_no_workers():
+    """``rocdraft serve --tensor-parallel-size 2`` (gloo): the openai client gets LLM.generate's
+    greedy tokens (TP 1, speculative), and SIGTERM stops the server and its worker."""
+    prompt = PROMPTS[0]
+    llm = LLM(builtin_paths().target, builtin_paths().eagle3,
+              speculative_config=SpeculativeConfig(method="eagle3", num_speculative_tokens=3,
+                                                   draft_policy="fixed"),
+              max_model_len=128, max_num_seqs=2)
+    expected = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                     ignore_eos=True))[0]
+    del llm
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rocdraft.serve.command", "--port", str(port),
+         "--max-model-len", "128", "--max-num-seqs", "2", "--log-level", "warning",
+         "--tensor-parallel-size", "2", "--api-key", KEY, "--served-model-name", "tp"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        workers = _live_children(proc.pid)
+        assert workers, "the TP 2 server started no worker process"
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        r = client.completions.create(model="tp", prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert r.choices[0].token_ids == expected.token_ids
+        assert r.rocdraft["acceptance_length"] > 1.5  # drafts were accepted under TP
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 20
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [w for w in workers if _alive(w)], "worker processes outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -113,12 +113,15 @@ def run_serve(args) -> int:
     kwargs = make_llm_kwargs(args)
     method = kwargs.pop("method")
     engine = LLMEngine(**kwargs)
-    settings = settings_from(args, engine)
-    print(f"rocdraft serve: {settings.model_name} (method {method}) on "
-          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    server = make_server(engine, settings, args.host, args.port, args.shutdown_timeout,
-                         args.log_level)
-    server.run()
+    try:  # close() stops tensor-parallel workers, whatever ends the server
+        settings = settings_from(args, engine)
+        print(f"rocdraft serve: {settings.model_name} (method {method}) on "
+              f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        server = make_server(engine, settings, args.host, args.port, args.shutdown_timeout,
+                             args.log_level)
+        server.run()
+    finally:
+        engine.close()
     if not server.started:  # e.g. the port was taken (uvicorn logged why)
         return 1
     return 0
