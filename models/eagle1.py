@@ -20,8 +20,10 @@ from torch import nn
 from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.models.config import HeadConfig
-from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
+from rocdraft.models.layers import (Attention, BlockWeights, GatedMLP, RMSNorm, block_weights,
+                                    decoder_forward)
 from rocdraft.models.rope import RopeTables, RotaryEmbedding
+from rocdraft.models.weight_cache import WeightCache
 
 
 class Eagle1Layer(nn.Module):
@@ -38,12 +40,18 @@ class Eagle1Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
         self.mlp = GatedMLP(hidden, config.intermediate_size, **factory)
 
+    def block_weights(self) -> BlockWeights:
+        return block_weights(self.input_layernorm, self.self_attn, self.post_attention_layernorm,
+                             self.mlp)
+
     def forward(self, hidden: torch.Tensor, rope: RopeTables, kv_cache: LayerKVCache,
                 attn_metadata) -> torch.Tensor:
-        """hidden [n, H] -> [n, H]."""
-        x = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
-        hidden = hidden + self.self_attn(x, rope, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """hidden [n, H] -> [n, H] (layer 0 has no input norm)."""
+        return decoder_forward(self.block_weights(), hidden, rope, kv_cache, attn_metadata)
+
+
+def _layer_weights(head: "Eagle1Head") -> list[BlockWeights]:
+    return [layer.block_weights() for layer in head.layers]
 
 
 class Eagle1Head(nn.Module):
@@ -61,6 +69,7 @@ class Eagle1Head(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                           device, first_row_of_mrope=True)
+        self._weights = WeightCache(_layer_weights)  # models/weight_cache.py
 
     def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
         return ()
@@ -85,8 +94,8 @@ class Eagle1Head(nn.Module):
         embeds = self.embed_tokens(input_ids)  # [n, H]
         rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
         hidden = self.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, attn_metadata)
+        for weights, kv_cache in zip(self._weights.get(self), kv_caches, strict=True):
+            hidden = decoder_forward(weights, hidden, rope, kv_cache, attn_metadata)
         return hidden
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,10 @@ from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import NUM_AUX_LAYERS, HeadConfig
-from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
+from rocdraft.models.layers import (Attention, BlockWeights, GatedMLP, RMSNorm, block_forward,
+                                    block_weights, rms_norm)
 from rocdraft.models.rope import RopeTables, RotaryEmbedding
+from rocdraft.models.weight_cache import WeightCache
 
 
 def resolve_aux_layer_ids(declared: tuple[int, ...] | None, num_target_layers: int
@@ -72,12 +74,31 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
         self.mlp = GatedMLP(hidden, config.intermediate_size, **factory)
 
+    def block_weights(self) -> tuple[BlockWeights, tuple[torch.Tensor, float]]:
+        """(the block, with input_layernorm as its input norm; hidden_norm (weight, eps))."""
+        return (block_weights(self.input_layernorm, self.self_attn,
+                              self.post_attention_layernorm, self.mlp),
+                (self.hidden_norm.weight, self.hidden_norm.eps))
+
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: RopeTables,
                 kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
         """embeds [n, H], hidden [n, H] -> [n, H]."""
-        z = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(z, rope, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return midlayer_forward(self.block_weights(), embeds, hidden, rope, kv_cache,
+                                attn_metadata)
+
+
+def midlayer_forward(weights: tuple[BlockWeights, tuple[torch.Tensor, float]],
+                     embeds: torch.Tensor, hidden: torch.Tensor, rope: RopeTables,
+                     kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
+    """EAGLE-3's layer: attention reads [input_norm(embeds), hidden_norm(hidden)] (2H wide),
+    the residual is ``hidden``. embeds [n, H], hidden [n, H] -> [n, H]."""
+    block, hidden_norm = weights
+    z = torch.cat([rms_norm(embeds, *block.input_norm), rms_norm(hidden, *hidden_norm)], dim=-1)
+    return block_forward(block, z, hidden, rope, kv_cache, attn_metadata)
+
+
+def _midlayer_weights(head: "Eagle3Head") -> tuple[BlockWeights, tuple[torch.Tensor, float]]:
+    return head.midlayer.block_weights()
 
 
 class Eagle3Head(nn.Module):
@@ -98,6 +119,7 @@ class Eagle3Head(nn.Module):
                         nn.Linear(hidden, config.draft_vocab_size, bias=False, **factory))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                           device, first_row_of_mrope=True)
+        self._weights = WeightCache(_midlayer_weights)  # models/weight_cache.py
         # d2t [draft_vocab] int64: target id = draft id + d2t[draft id].
         self.d2t: torch.Tensor | None
         if has_vocab_map:
@@ -133,8 +155,8 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"EAGLE-3 has one layer, got {len(kv_caches)} KV caches")
         embeds = self.embed_tokens(input_ids)  # [n, H]
         rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
-        return self.midlayer(embeds, hidden_states.to(embeds.dtype), rope, kv_caches[0],
-                             attn_metadata)
+        return midlayer_forward(self._weights.get(self), embeds, hidden_states.to(embeds.dtype),
+                                rope, kv_caches[0], attn_metadata)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> [n, draft_vocab] float32."""

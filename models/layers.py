@@ -10,20 +10,41 @@ each forward runs one matmul for q/k/v and one for gate/up without a second copy
 weights (``fused_linear``). RoPE is applied to q and k together, with the cos/sin
 tables the model prepares once per step (``RopeTables``); float32 RMSNorm does no dtype
 round trip.
+
+Each block also has a functional form over plain tensors (``rms_norm``, ``attention_forward``,
+``gated_mlp_forward``, ``decoder_forward``, ``block_forward``) that the modules' own
+``forward`` calls: a model flattens its blocks' weights once (``*_weights()`` here, cached by
+``models/weight_cache.py`` and re-validated once per forward), so a step dispatches its ops
+without nn.Module calls, attribute look-ups or per-layer fused-weight checks (10% of a bs-1
+decode step of the built-in target on the CPU). A projection that is not a plain
+``nn.Linear`` (tensor parallelism's row-parallel o/down, which all-reduce) stays a module
+call (``linear_of``).
 """
 from __future__ import annotations
+
+from typing import Callable, NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rocdraft.backends.base import AttentionBackend
+from rocdraft.backends.base import AttentionBackend, AttentionImpl
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.models.rope import RopeTables, apply_rotary_tables
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)``, the statistics in float32.
+    x [num_tokens, hidden_size] -> same shape and dtype."""
+    if x.dtype == torch.float32:  # the same float32 products, without .float() / .to()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))).mul_(weight)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)``, the statistics in float32."""
+    """``weight * x / sqrt(mean(x^2) + eps)``, the statistics in float32 (``rms_norm``)."""
 
     def __init__(self, hidden_size: int, eps: float, device=None, dtype=None) -> None:
         super().__init__()
@@ -32,12 +53,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden_size] -> same shape and dtype."""
-        if x.dtype == torch.float32:  # the same float32 products, without .float() / .to()
-            return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps))).mul_(
-                self.weight)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def fused_linear_weights(parts: tuple[nn.Linear, ...]
@@ -77,6 +93,86 @@ def fused_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...]) -> torch.Tensor:
     return F.linear(x, *fused_linear_weights(parts))
 
 
+# A projection as the functional forms take it: (weight, bias) of a plain nn.Linear, or the
+# forward of any other module (a row-parallel linear that all-reduces its output).
+Linear = Union[tuple[torch.Tensor, Union[torch.Tensor, None]], Callable[[torch.Tensor],
+                                                                        torch.Tensor]]
+
+
+def linear_of(module: nn.Module) -> Linear:
+    return (module.weight, module.bias) if type(module) is nn.Linear else module.forward
+
+
+def apply_linear(x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    """x [num_tokens, in_features] -> [num_tokens, out_features]."""
+    return F.linear(x, linear[0], linear[1]) if type(linear) is tuple else linear(x)
+
+
+class MlpWeights(NamedTuple):
+    gate_up: tuple[torch.Tensor, torch.Tensor | None]  # fused [2 * intermediate, hidden]
+    down: Linear
+    intermediate_size: int
+
+
+def gated_mlp_forward(w: MlpWeights, x: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, hidden_size] -> [num_tokens, hidden_size]: down(silu(gate) * up)."""
+    gate, up = F.linear(x, *w.gate_up).split(w.intermediate_size, dim=-1)
+    return apply_linear(F.silu(gate).mul_(up), w.down)
+
+
+class AttentionWeights(NamedTuple):
+    qkv: tuple[torch.Tensor, torch.Tensor | None]  # fused [(Hq + 2 Hk) * head_dim, input_size]
+    o: Linear
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    impl: AttentionImpl  # the backend's per-layer attention
+
+
+def attention_forward(w: AttentionWeights, x: torch.Tensor, rope: RopeTables,
+                      kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
+    """x [num_tokens, input_size] -> [num_tokens, hidden_size]: q/k/v in one matmul, q and k
+    rotated together, the backend's paged attention (writes this layer's K/V), o_proj."""
+    num_tokens = x.shape[0]
+    num_heads, num_kv_heads = w.num_heads, w.num_kv_heads
+    qkv = F.linear(x, *w.qkv).view(num_tokens, num_heads + 2 * num_kv_heads, w.head_dim)
+    qk = apply_rotary_tables(qkv[:, :num_heads + num_kv_heads], rope)  # [n, Hq + Hk, D]
+    out = w.impl.forward(qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv_heads:],
+                         kv_cache, attn_metadata)  # [num_tokens, Hq, head_dim]
+    return apply_linear(out.reshape(num_tokens, num_heads * w.head_dim), w.o)
+
+
+class BlockWeights(NamedTuple):
+    """One pre-norm attention + gated-MLP block (a decoder layer, an EAGLE layer)."""
+
+    input_norm: tuple[torch.Tensor, float] | None  # (weight, eps); None: no input norm
+    attn: AttentionWeights
+    post_norm: tuple[torch.Tensor, float]
+    mlp: MlpWeights
+
+
+def block_forward(w: BlockWeights, attn_input: torch.Tensor, residual: torch.Tensor,
+                  rope: RopeTables, kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
+    """attn_input [n, input_size], residual [n, H] -> [n, H]:
+    ``h = residual + attn(attn_input); h + mlp(post_norm(h))``."""
+    hidden = residual + attention_forward(w.attn, attn_input, rope, kv_cache, attn_metadata)
+    return hidden + gated_mlp_forward(w.mlp, rms_norm(hidden, *w.post_norm))
+
+
+def decoder_forward(w: BlockWeights, hidden: torch.Tensor, rope: RopeTables,
+                    kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
+    """hidden [n, H] -> [n, H], the pre-norm residual decoder layer (the input norm skipped
+    when ``w.input_norm`` is None, as EAGLE-1's first layer)."""
+    x = hidden if w.input_norm is None else rms_norm(hidden, *w.input_norm)
+    return block_forward(w, x, hidden, rope, kv_cache, attn_metadata)
+
+
+def block_weights(input_norm: "RMSNorm | None", attn: "Attention",
+                  post_norm: "RMSNorm", mlp: "GatedMLP") -> BlockWeights:
+    return BlockWeights(None if input_norm is None else (input_norm.weight, input_norm.eps),
+                        attn.weights(), (post_norm.weight, post_norm.eps), mlp.weights())
+
+
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``; gate and up run as one matmul (see the module
     docstring)."""
@@ -89,11 +185,13 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **factory)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **factory)
 
+    def weights(self) -> MlpWeights:
+        return MlpWeights(fused_linear_weights((self.gate_proj, self.up_proj)),
+                          linear_of(self.down_proj), self.gate_proj.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
-        gate_up = fused_linear(x, (self.gate_proj, self.up_proj))
-        gate, up = gate_up.split(self.gate_proj.out_features, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return gated_mlp_forward(self.weights(), x)
 
 
 class Attention(nn.Module):
@@ -116,16 +214,13 @@ class Attention(nn.Module):
         # Not an nn.Module: the backend's per-layer attention holds no parameters.
         self.attn = attn_backend.impl_cls(num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
 
+    def weights(self) -> AttentionWeights:
+        return AttentionWeights(fused_linear_weights((self.q_proj, self.k_proj, self.v_proj)),
+                                linear_of(self.o_proj), self.num_heads, self.num_kv_heads,
+                                self.head_dim, self.attn)
+
     def forward(self, x: torch.Tensor, rope: RopeTables, kv_cache: LayerKVCache,
                 attn_metadata) -> torch.Tensor:
         """x [num_tokens, input_size], rope: the step's tables (``RotaryEmbedding.tables``)
         -> [num_tokens, hidden_size]. Writes this layer's K/V into ``kv_cache``."""
-        num_tokens = x.shape[0]
-        num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
-        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
-        qkv = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, self.head_dim)
-        # q and k rotated together: [num_tokens, Hq + Hk, head_dim]
-        qk = apply_rotary_tables(qkv[:, :num_heads + num_kv_heads], rope)
-        q, k, v = qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv_heads:]
-        out = self.attn.forward(q, k, v, kv_cache, attn_metadata)  # [num_tokens, Hq, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return attention_forward(self.weights(), x, rope, kv_cache, attn_metadata)

@@ -17,8 +17,10 @@ from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
-from rocdraft.models.layers import Attention, GatedMLP, RMSNorm
+from rocdraft.models.layers import (Attention, BlockWeights, GatedMLP, RMSNorm, block_weights,
+                                    decoder_forward)
 from rocdraft.models.rope import RopeTables, RotaryEmbedding
+from rocdraft.models.weight_cache import WeightCache
 from rocdraft.models.weights import copy_weights, load_state_dict
 
 
@@ -43,12 +45,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.mlp_bias, **factory)
 
+    def block_weights(self) -> BlockWeights:
+        return block_weights(self.input_layernorm, self.self_attn, self.post_attention_layernorm,
+                             self.mlp)
+
     def forward(self, hidden: torch.Tensor, rope: RopeTables, kv_cache: LayerKVCache,
                 attn_metadata) -> torch.Tensor:
         """hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size] (pre-norm residual)."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache,
-                                         attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return decoder_forward(self.block_weights(), hidden, rope, kv_cache, attn_metadata)
+
+
+def _layer_weights(model: "LlamaForCausalLM") -> list[BlockWeights]:
+    return [layer.block_weights() for layer in model.layers]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -65,6 +73,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta,
                                           config.rope_scaling, device)
         self.tie_weights()
+        self._weights = WeightCache(_layer_weights)  # models/weight_cache.py
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -89,10 +98,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         rope = self.rotary_emb.tables(positions, hidden.dtype)  # once per step, every layer
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i, weights in enumerate(self._weights.get(self)):  # = self.layers[i], flattened
             if i in aux_layer_ids:
                 captured[i] = hidden
-            hidden = layer(hidden, rope, kv_caches[i], attn_metadata)
+            hidden = decoder_forward(weights, hidden, rope, kv_caches[i], attn_metadata)
         return TargetOutput(self.norm(hidden), tuple(captured[i] for i in aux_layer_ids))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
