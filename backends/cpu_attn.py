@@ -50,7 +50,8 @@ target's 8 layers), against TORCH_SDPA in the same process: bs 1 decode 62 vs 19
 
 ``torch.compile(model.forward, dynamic=True)`` (default mode) on the CPU: ~40 s to compile
 and 2.4x SLOWER per bs-8 decode forward than eager (30.2 vs 12.4 ms; the in-place paged-KV
-writes and per-layer guards), so no compiled path is offered.
+writes and per-layer guards). What is offered instead compiles only the dense halves of
+each block around this backend's attention (models/compiled_regions.py, off by default).
 
 MI300: this backend is CPU-only; what carries over is the plan-once split (ROCM_AITER_FA and
 TRITON_ATTN already take per-step metadata) and the model-side fusions in models/layers.py.

@@ -20,8 +20,8 @@ from torch import nn
 from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.models.config import HeadConfig
-from rocdraft.models.layers import (Attention, BlockWeights, GatedMLP, RMSNorm, block_weights,
-                                    decoder_forward)
+from rocdraft.models.layers import (EAGER_REGIONS, Attention, BlockWeights, GatedMLP, RMSNorm,
+                                    block_weights, decoder_forward)
 from rocdraft.models.rope import RopeTables, RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 
@@ -70,6 +70,7 @@ class Eagle1Head(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                           device, first_row_of_mrope=True)
         self._weights = WeightCache(_layer_weights)  # models/weight_cache.py
+        self.regions = EAGER_REGIONS  # or models/compiled_regions.py's
 
     def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:
         return ()
@@ -95,7 +96,8 @@ class Eagle1Head(nn.Module):
         rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
         hidden = self.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
         for weights, kv_cache in zip(self._weights.get(self), kv_caches, strict=True):
-            hidden = decoder_forward(weights, hidden, rope, kv_cache, attn_metadata)
+            hidden = decoder_forward(weights, hidden, rope, kv_cache, attn_metadata,
+                                     self.regions)
         return hidden
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import NUM_AUX_LAYERS, HeadConfig
-from rocdraft.models.layers import (Attention, BlockWeights, GatedMLP, RMSNorm, block_forward,
-                                    block_weights, rms_norm)
+from rocdraft.models.layers import (EAGER_REGIONS, Attention, BlockRegions, BlockWeights,
+                                    GatedMLP, RMSNorm, block_forward, block_weights, rms_norm)
 from rocdraft.models.rope import RopeTables, RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 
@@ -89,12 +89,13 @@ class Eagle3MidLayer(nn.Module):
 
 def midlayer_forward(weights: tuple[BlockWeights, tuple[torch.Tensor, float]],
                      embeds: torch.Tensor, hidden: torch.Tensor, rope: RopeTables,
-                     kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
+                     kv_cache: LayerKVCache, attn_metadata,
+                     regions: BlockRegions = EAGER_REGIONS) -> torch.Tensor:
     """EAGLE-3's layer: attention reads [input_norm(embeds), hidden_norm(hidden)] (2H wide),
     the residual is ``hidden``. embeds [n, H], hidden [n, H] -> [n, H]."""
     block, hidden_norm = weights
     z = torch.cat([rms_norm(embeds, *block.input_norm), rms_norm(hidden, *hidden_norm)], dim=-1)
-    return block_forward(block, z, hidden, rope, kv_cache, attn_metadata)
+    return block_forward(block, z, hidden, rope, kv_cache, attn_metadata, regions)
 
 
 def _midlayer_weights(head: "Eagle3Head") -> tuple[BlockWeights, tuple[torch.Tensor, float]]:
@@ -120,6 +121,7 @@ class Eagle3Head(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                           device, first_row_of_mrope=True)
         self._weights = WeightCache(_midlayer_weights)  # models/weight_cache.py
+        self.regions = EAGER_REGIONS  # or models/compiled_regions.py's
         # d2t [draft_vocab] int64: target id = draft id + d2t[draft id].
         self.d2t: torch.Tensor | None
         if has_vocab_map:
@@ -156,7 +158,7 @@ class Eagle3Head(nn.Module):
         embeds = self.embed_tokens(input_ids)  # [n, H]
         rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
         return midlayer_forward(self._weights.get(self), embeds, hidden_states.to(embeds.dtype),
-                                rope, kv_caches[0], attn_metadata)
+                                rope, kv_caches[0], attn_metadata, self.regions)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> [n, draft_vocab] float32."""

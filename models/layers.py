@@ -129,17 +129,48 @@ class AttentionWeights(NamedTuple):
     impl: AttentionImpl  # the backend's per-layer attention
 
 
+def qkv_rope(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None,
+             qkv: tuple[torch.Tensor, torch.Tensor | None], cos: torch.Tensor,
+             sin_signed: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dense half before attention: x [n, input_size] (RMS-normed first when ``norm``
+    (weight, eps) is given) -> q [n, Hq, D], k [n, Hk, D] (rotated together), v [n, Hk, D]
+    (strided views). Tensors and ints only, so one compiled graph serves every layer."""
+    if norm is not None:
+        x = rms_norm(x, *norm)
+    num_tokens = x.shape[0]
+    qkv_out = F.linear(x, *qkv).view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
+    qk = apply_rotary_tables(qkv_out[:, :num_heads + num_kv_heads], RopeTables(cos, sin_signed))
+    return qk[:, :num_heads], qk[:, num_heads:], qkv_out[:, num_heads + num_kv_heads:]
+
+
 def attention_forward(w: AttentionWeights, x: torch.Tensor, rope: RopeTables,
                       kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
     """x [num_tokens, input_size] -> [num_tokens, hidden_size]: q/k/v in one matmul, q and k
     rotated together, the backend's paged attention (writes this layer's K/V), o_proj."""
-    num_tokens = x.shape[0]
-    num_heads, num_kv_heads = w.num_heads, w.num_kv_heads
-    qkv = F.linear(x, *w.qkv).view(num_tokens, num_heads + 2 * num_kv_heads, w.head_dim)
-    qk = apply_rotary_tables(qkv[:, :num_heads + num_kv_heads], rope)  # [n, Hq + Hk, D]
-    out = w.impl.forward(qk[:, :num_heads], qk[:, num_heads:], qkv[:, num_heads + num_kv_heads:],
-                         kv_cache, attn_metadata)  # [num_tokens, Hq, head_dim]
-    return apply_linear(out.reshape(num_tokens, num_heads * w.head_dim), w.o)
+    q, k, v = qkv_rope(x, None, w.qkv, rope.cos, rope.sin_signed, w.num_heads, w.num_kv_heads,
+                       w.head_dim)
+    out = w.impl.forward(q, k, v, kv_cache, attn_metadata)  # [num_tokens, Hq, head_dim]
+    return apply_linear(out.reshape(x.shape[0], w.num_heads * w.head_dim), w.o)
+
+
+def block_tail(residual: torch.Tensor, attn_out: torch.Tensor, o: Linear,
+               post_norm: tuple[torch.Tensor, float], mlp: MlpWeights) -> torch.Tensor:
+    """The dense half after attention: residual [n, H], attn_out [n, Hq * D] ->
+    ``h = residual + o(attn_out); h + mlp(post_norm(h))`` [n, H]."""
+    hidden = residual + apply_linear(attn_out, o)
+    return hidden + gated_mlp_forward(mlp, rms_norm(hidden, *post_norm))
+
+
+class BlockRegions(NamedTuple):
+    """The two dense halves of a block around the attention kernel: the functions above, or
+    the same functions compiled (models/compiled_regions.py)."""
+
+    qkv_rope: Callable
+    tail: Callable
+
+
+EAGER_REGIONS = BlockRegions(qkv_rope, block_tail)
 
 
 class BlockWeights(NamedTuple):
@@ -152,19 +183,26 @@ class BlockWeights(NamedTuple):
 
 
 def block_forward(w: BlockWeights, attn_input: torch.Tensor, residual: torch.Tensor,
-                  rope: RopeTables, kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
-    """attn_input [n, input_size], residual [n, H] -> [n, H]:
-    ``h = residual + attn(attn_input); h + mlp(post_norm(h))``."""
-    hidden = residual + attention_forward(w.attn, attn_input, rope, kv_cache, attn_metadata)
-    return hidden + gated_mlp_forward(w.mlp, rms_norm(hidden, *w.post_norm))
+                  rope: RopeTables, kv_cache: LayerKVCache, attn_metadata,
+                  regions: BlockRegions = EAGER_REGIONS,
+                  input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """attn_input [n, input_size] (normed by ``input_norm`` first when given), residual
+    [n, H] -> [n, H]: ``h = residual + attn(attn_input); h + mlp(post_norm(h))``."""
+    a = w.attn
+    q, k, v = regions.qkv_rope(attn_input, input_norm, a.qkv, rope.cos, rope.sin_signed,
+                               a.num_heads, a.num_kv_heads, a.head_dim)
+    out = a.impl.forward(q, k, v, kv_cache, attn_metadata)  # [n, Hq, head_dim]
+    return regions.tail(residual, out.reshape(out.shape[0], a.num_heads * a.head_dim), a.o,
+                        w.post_norm, w.mlp)
 
 
 def decoder_forward(w: BlockWeights, hidden: torch.Tensor, rope: RopeTables,
-                    kv_cache: LayerKVCache, attn_metadata) -> torch.Tensor:
+                    kv_cache: LayerKVCache, attn_metadata,
+                    regions: BlockRegions = EAGER_REGIONS) -> torch.Tensor:
     """hidden [n, H] -> [n, H], the pre-norm residual decoder layer (the input norm skipped
     when ``w.input_norm`` is None, as EAGLE-1's first layer)."""
-    x = hidden if w.input_norm is None else rms_norm(hidden, *w.input_norm)
-    return block_forward(w, x, hidden, rope, kv_cache, attn_metadata)
+    return block_forward(w, hidden, hidden, rope, kv_cache, attn_metadata, regions,
+                         w.input_norm)
 
 
 def block_weights(input_norm: "RMSNorm | None", attn: "Attention",

@@ -17,8 +17,8 @@ from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
-from rocdraft.models.layers import (Attention, BlockWeights, GatedMLP, RMSNorm, block_weights,
-                                    decoder_forward)
+from rocdraft.models.layers import (EAGER_REGIONS, Attention, BlockWeights, GatedMLP, RMSNorm,
+                                    block_weights, decoder_forward)
 from rocdraft.models.rope import RopeTables, RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 from rocdraft.models.weights import copy_weights, load_state_dict
@@ -74,6 +74,7 @@ class LlamaForCausalLM(nn.Module):
                                           config.rope_scaling, device)
         self.tie_weights()
         self._weights = WeightCache(_layer_weights)  # models/weight_cache.py
+        self.regions = EAGER_REGIONS  # or models/compiled_regions.py's
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -101,7 +102,8 @@ class LlamaForCausalLM(nn.Module):
         for i, weights in enumerate(self._weights.get(self)):  # = self.layers[i], flattened
             if i in aux_layer_ids:
                 captured[i] = hidden
-            hidden = decoder_forward(weights, hidden, rope, kv_caches[i], attn_metadata)
+            hidden = decoder_forward(weights, hidden, rope, kv_caches[i], attn_metadata,
+                                     self.regions)
         return TargetOutput(self.norm(hidden), tuple(captured[i] for i in aux_layer_ids))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from rocdraft.errors import RocdraftError
 from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_block,
                                 plan_kv_cache)
 from rocdraft.loading import load_draft_head, load_target_model
+from rocdraft.models.compiled_regions import compile_backend, compiled_regions
 from rocdraft.outputs import GenerationStats, RequestOutput
 from rocdraft.platform import detect_platform
 from rocdraft.prompts import prompt_error, tokenize_prompt
@@ -66,7 +67,8 @@ class LLMEngine:
                  kv_cache_memory: int | float | str | None = None,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  distributed_backend: str | None = None,
-                 distributed_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 distributed_timeout_s: float = DEFAULT_TIMEOUT_S,
+                 compile: bool | str = False) -> None:
         """KV-cache size (``rocdraft.kv_budget``): ``num_kv_blocks``, or ``kv_cache_memory``
         bytes ("2GiB"), or ``gpu_memory_utilization`` (a fraction of the free GPU memory), or
         by default what ``max_num_seqs`` x ``max_model_len`` needs, capped (256 MiB on the
@@ -77,7 +79,11 @@ class LLMEngine:
         rank 0; rocdraft/distributed/executor.py starts the others, or torchrun did);
         ``distributed_backend`` gloo | nccl (default nccl on GPUs, gloo on the CPU);
         ``distributed_timeout_s`` bounds every collective. Call ``close()`` (or use the
-        engine as a context manager) to stop the workers."""
+        engine as a context manager) to stop the workers.
+
+        ``compile`` True (inductor) or a backend name ("inductor", "aot_eager", "eager")
+        runs the dense halves of every target and head block through ``torch.compile``
+        (models/compiled_regions.py: off by default, it lost on the CPU)."""
         self.executor = None
         for name, value in (("max_num_seqs", max_num_seqs), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -85,6 +91,11 @@ class LLMEngine:
             check_int(name, value, minimum=1, optional=name in ("num_kv_blocks",
                                                                 "max_model_len"))
         envs.check_switches()
+        self.compile_backend = compile_backend(compile)
+        if self.compile_backend is not None and tensor_parallel_size != 1:
+            raise RocdraftError(f"compile={compile!r} with tensor_parallel_size "
+                                f"{tensor_parallel_size} is not supported (the compiled block "
+                                f"tail would hold the row-parallel all-reduce); drop one")
         if draft and speculative_config is None:
             raise RocdraftError("a draft head was given without speculative_config; pass "
                                 "SpeculativeConfig(method='eagle' or 'eagle3', ...)")
@@ -118,6 +129,8 @@ class LLMEngine:
             tree_features, executor and executor.group, executor and executor.counter)
         if executor is not None:
             self.target = executor.wrap_target(self.target)
+        if self.compile_backend is not None:
+            self.target.regions = compiled_regions(self.compile_backend)
         cfg = self.target.config
         self.max_model_len = min(max_model_len if max_model_len is not None
                                  else cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -188,6 +201,8 @@ class LLMEngine:
             arch=arch, features=(Feature.TREE_DRAFTING,) if self.tree is not None else ())
         if self.executor is not None:
             self.head = self.executor.wrap_head(self.head)
+        if self.compile_backend is not None:
+            self.head.regions = compiled_regions(self.compile_backend)
         self.draft_backend, self.draft_backend_reason = draft_selection.backend, \
             draft_selection.reason
         log.info("draft attention backend %s: %s", self.draft_backend.name,

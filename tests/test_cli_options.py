@@ -170,3 +170,15 @@ def test_tree_flags_need_a_speculative_method(ckpt):
     with pytest.raises(RocdraftError, match="--tree-depth, --tree-top-k, --tree-total-tokens "
                                             "draft a token tree, which needs --method"):
         make_llm_kwargs(args)
+
+
+@pytest.mark.parametrize("argv, expected", [((), None), (("--compile",), "inductor"),
+                                            (("--compile", "aot_eager"), "aot_eager")])
+def test_compile_flag_reaches_the_llm(ckpt, argv, expected):
+    kwargs = make_llm_kwargs(parse("--target", ckpt["target"], *argv))
+    assert kwargs.get("compile") == expected
+
+
+def test_unknown_compile_backend_is_a_usage_error():
+    with pytest.raises(SystemExit):
+        parse("--compile", "cudagraphs")
