@@ -91,3 +91,22 @@ def make_sharded(directory: Path, num_files: int = 3) -> Path:
         json.dumps({"metadata": {}, "weight_map": weight_map}))
     single.unlink()
     return directory
+
+
+def live_children(pid: int) -> list[int]:
+    """Pids of the live (not zombie) processes whose parent is ``pid``, read from /proc
+    (multiprocessing only knows its own children), except multiprocessing's resource tracker
+    (started with the first spawn, kept)."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines()
+                          if ":\t" in line)
+            cmdline = (status.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields.get("PPid", "").strip() == str(pid) \
+                and not fields.get("State", "").startswith("Z") \
+                and b"resource_tracker" not in cmdline:
+            found.append(int(status.parent.name))
+    return found

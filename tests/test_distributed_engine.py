@@ -14,14 +14,13 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoints import (write_cyclic_eagle1_head, write_cyclic_eagle3_head, write_cyclic_llama,
                          write_tiny_llama)
-from distributed_helpers import make_mistral
+from distributed_helpers import live_children, make_mistral
 from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.engine import LLM
 from rocdraft.errors import RocdraftError
@@ -33,26 +32,9 @@ SEEDED = [SamplingParams(temperature=0.9, top_k=50, max_tokens=8, seed=s, ignore
           for s in (11, 12, 13, 14)]
 
 
-def _children() -> list[int]:
-    """Pids of this process's live children (from /proc; multiprocessing only knows its own),
-    except multiprocessing's own resource tracker (started with the first spawn, kept)."""
-    me, found = str(os.getpid()), []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines()
-                          if ":\t" in line)
-            cmdline = (status.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if fields.get("PPid", "").strip() == me and not fields.get("State", "").startswith("Z") \
-                and b"resource_tracker" not in cmdline:
-            found.append(int(status.parent.name))
-    return found
-
-
 def assert_no_children() -> None:
     assert multiprocessing.active_children() == []
-    assert _children() == []
+    assert live_children(os.getpid()) == []
 
 
 def _llm(*args, **kwargs) -> LLM:
@@ -193,7 +175,7 @@ def test_idle_keepalive_then_worker_killed_mid_generate(pair):
 
 def test_close_and_garbage_collection_stop_the_workers(pair):
     llm = _llm(pair["target"], tensor_parallel_size=2)
-    assert len(_children()) == 1
+    assert len(live_children(os.getpid())) == 1
     llm.close()
     llm.close()
     assert llm.executor.worker_exit_codes == [0]  # told SHUTDOWN and left, not killed

@@ -20,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from distributed_helpers import live_children  # noqa: E402
 from rocdraft.builtin import builtin_paths  # noqa: E402
 from rocdraft.config import SamplingParams, SpeculativeConfig  # noqa: E402
 from rocdraft.engine import LLM  # noqa: E402
@@ -98,6 +99,28 @@ def wait_blocks_free(llm, timeout: float = 20.0) -> None:
             and time.monotonic() < deadline:
         time.sleep(0.05)
     assert llm.num_free_blocks == llm.num_blocks and not llm.has_unfinished_requests()
+
+
+def start_server(*flags: str, env: dict | None = None,
+                 timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """``python -m rocdraft.serve.command`` on a free port with ``flags``, polled until /health
+    answers 200 -> (the process, its base url)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rocdraft.serve.command", "--port", str(port),
+         "--max-model-len", "128", "--max-num-seqs", "2", "--log-level", "warning", *flags],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read().decode())
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    return proc, url
 
 
 def ids_body():
@@ -279,22 +302,8 @@ def test_metrics_parse_and_move(server, client):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_graceful_shutdown_finishes_in_flight_and_exits_0(sig):
-    port = free_port()
-    env = {**os.environ, "ROCDRAFT_API_KEY": KEY}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rocdraft.serve.command", "--port", str(port),
-         "--max-model-len", "128", "--max-num-seqs", "2", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(env={**os.environ, "ROCDRAFT_API_KEY": KEY})
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         headers = {"Authorization": f"Bearer {KEY}"}
         assert httpx.post(url + "/v1/completions", json={"prompt": "a"}).status_code == 401
         lines = []
@@ -313,26 +322,6 @@ def test_graceful_shutdown_finishes_in_flight_and_exits_0(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _live_children(pid: int) -> list[int]:
-    """Pids of the live (not zombie) processes whose parent is ``pid``, read from /proc,
-    except multiprocessing's resource tracker."""
-    from pathlib import Path
-
-    found = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines()
-                          if ":\t" in line)
-            cmdline = (status.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if fields.get("PPid", "").strip() == str(pid) \
-                and not fields.get("State", "").startswith("Z") \
-                and b"resource_tracker" not in cmdline:
-            found.append(int(status.parent.name))
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -355,23 +344,10 @@ def test_tensor_parallel_server_equals_generate_and_leaves_no_workers():
     expected = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                      ignore_eos=True))[0]
     del llm
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rocdraft.serve.command", "--port", str(port),
-         "--max-model-len", "128", "--max-num-seqs", "2", "--log-level", "warning",
-         "--tensor-parallel-size", "2", "--api-key", KEY, "--served-model-name", "tp"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server("--tensor-parallel-size", "2", "--api-key", KEY,
+                             "--served-model-name", "tp", timeout_s=180)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        workers = _live_children(proc.pid)
+        workers = live_children(proc.pid)
         assert workers, "the TP 2 server started no worker process"
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         r = client.completions.create(model="tp", prompt=prompt, max_tokens=MAX_TOKENS,
