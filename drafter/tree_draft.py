@@ -39,6 +39,9 @@ class TreeDrafts:
     tokens: torch.Tensor  # [B, N] int64 target-vocabulary ids (padding columns: 0)
     parents: torch.Tensor  # [B, N] int64, -1 = the root (and padding)
     num_nodes: torch.Tensor  # [B] int64: nodes of request b are columns 0 .. num_nodes[b]-1
+    # [B, N] float32: each node's cumulative log-probability under the head (dynamic trees;
+    # padding -inf), None for static trees.
+    scores: torch.Tensor | None = None
 
 
 class TreeDrafter:
@@ -56,6 +59,7 @@ class TreeDrafter:
             self.level_ends = _fed_level_ends(tree)
         self.level_tables = level_tables(self.level_ends, device) if self.level_ends else None
         self._budget_tables: dict[DynamicTree, tuple] = {}  # budget-shaped trees' tables
+        self.is_static = isinstance(tree, StaticTree)
         if isinstance(tree, StaticTree):
             # Node-only ancestor mask (the root is the context row P, always visible).
             self.node_mask = tree.ancestor_mask[1:, 1:].to(device)
@@ -206,6 +210,8 @@ class TreeDrafter:
         node_ids, parents, _ = select_tree(scores, torch.cat(all_parents, dim=1), num_keep,
                                            num_nodes)
         tokens = torch.cat(all_tokens, dim=1).gather(1, node_ids.clamp(min=0))
+        node_scores = scores.gather(1, node_ids.clamp(min=0)).masked_fill(node_ids < 0,
+                                                                          float("-inf"))
         if num_nodes is None:
             num_nodes = torch.full((batch,), num_keep, dtype=torch.int64, device=device)
         width = self.tree.num_nodes  # the config's columns (a budget shape may keep fewer)
@@ -214,7 +220,10 @@ class TreeDrafter:
             pad = width - num_keep
             tokens = torch.cat([tokens, tokens.new_zeros(batch, pad)], dim=1)
             parents = torch.cat([parents, parents.new_full((batch, pad), -1)], dim=1)
-        return TreeDrafts(tokens=tokens, parents=parents, num_nodes=num_nodes)
+            node_scores = torch.cat([node_scores, node_scores.new_full((batch, pad),
+                                                                       float("-inf"))], dim=1)
+        return TreeDrafts(tokens=tokens, parents=parents, num_nodes=num_nodes,
+                          scores=node_scores)
 
 
 def _fed_level_ends(tree: DynamicTree) -> tuple[int, ...]:

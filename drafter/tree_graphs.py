@@ -62,6 +62,8 @@ class TreeLoopRunner:
         self.tokens = torch.zeros(largest, num_nodes, dtype=torch.long, device=device)
         self.parents = torch.full((largest, num_nodes), -1, dtype=torch.long, device=device)
         self.num_nodes = torch.zeros(largest, dtype=torch.long, device=device)
+        self.scores = torch.full((largest, num_nodes), float("-inf"), device=device) \
+            if not drafter.is_static else None  # dynamic trees' node scores
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if use_graphs:
             self._capture_all()
@@ -86,6 +88,8 @@ class TreeLoopRunner:
         self.tokens[:bucket].copy_(drafts.tokens)
         self.parents[:bucket].copy_(drafts.parents)
         self.num_nodes[:bucket].copy_(drafts.num_nodes)
+        if self.scores is not None:
+            self.scores[:bucket].copy_(drafts.scores)
 
     def _capture_all(self) -> None:
         self.graphs, self.capture_bytes = capture_per_bucket(self.buckets, self._loop)
@@ -116,4 +120,6 @@ class TreeLoopRunner:
             self._loop(bucket)
         return TreeDrafts(tokens=self.tokens[:batch_size].clone(),
                           parents=self.parents[:batch_size].clone(),
-                          num_nodes=self.num_nodes[:batch_size].clone())
+                          num_nodes=self.num_nodes[:batch_size].clone(),
+                          scores=None if self.scores is None
+                          else self.scores[:batch_size].clone())

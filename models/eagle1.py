@@ -21,7 +21,7 @@ from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.models.config import HeadConfig
 from rocdraft.models.layers import (EAGER_REGIONS, Attention, BlockWeights, GatedMLP, RMSNorm,
-                                    block_weights, decoder_forward)
+                                    block_weights, decoder_forward, project)
 from rocdraft.models.rope import RopeTables, RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 
@@ -102,7 +102,7 @@ class Eagle1Head(nn.Module):
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> [n, vocab] float32 (draft vocab == target vocab)."""
-        return self.lm_head(hidden).float()
+        return project(self.lm_head, hidden).float()
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids

@@ -26,7 +26,8 @@ from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import NUM_AUX_LAYERS, HeadConfig
 from rocdraft.models.layers import (EAGER_REGIONS, Attention, BlockRegions, BlockWeights,
-                                    GatedMLP, RMSNorm, block_forward, block_weights, rms_norm)
+                                    GatedMLP, RMSNorm, block_forward, block_weights, project,
+                                    rms_norm)
 from rocdraft.models.rope import RopeTables, RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 
@@ -162,7 +163,7 @@ class Eagle3Head(nn.Module):
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> [n, draft_vocab] float32."""
-        return self.lm_head(self.norm(hidden)).float()
+        return project(self.lm_head, self.norm(hidden)).float()
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """draft_ids [n] -> target ids [n]."""

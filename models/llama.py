@@ -18,7 +18,7 @@ from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
 from rocdraft.models.layers import (EAGER_REGIONS, Attention, BlockWeights, GatedMLP, RMSNorm,
-                                    block_weights, decoder_forward)
+                                    block_weights, decoder_forward, project)
 from rocdraft.models.rope import RopeTables, RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 from rocdraft.models.weights import copy_weights, load_state_dict
@@ -108,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> [n, vocab_size] float32."""
-        return self.lm_head(hidden).float()
+        return project(self.lm_head, hidden).float()
 
 
 def _checkpoint_key(name: str) -> str:

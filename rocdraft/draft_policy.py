@@ -61,12 +61,19 @@ class StepCosts:
     draft_step: float
 
     def step_time(self, batch_size: int, num_drafts: int) -> float:
-        if num_drafts == 0:
-            return self.target_fixed + self.target_per_token * batch_size
-        tokens = batch_size * (num_drafts + 1)
-        return (self.target_fixed + self.head_fixed
-                + (self.target_per_token + self.head_per_token) * tokens
-                + (num_drafts - 1) * self.draft_step)
+        """T(d): every request verifies d drafts, then the head drafts d per request."""
+        return self.time_for_drafts(batch_size, batch_size * num_drafts, num_drafts)
+
+    def time_for_drafts(self, batch_size: int, num_verified: int, num_steps: int) -> float:
+        """A step whose batch verifies ``num_verified`` drafts in all (any split over its
+        requests) and whose head then runs its first forward and ``num_steps - 1`` further
+        draft steps (chain steps, or tree level forwards); ``num_steps`` 0: no drafter."""
+        tokens = batch_size + num_verified
+        time = self.target_fixed + self.target_per_token * tokens
+        if num_steps:
+            time += (self.head_fixed + self.head_per_token * tokens
+                     + (num_steps - 1) * self.draft_step)
+        return time
 
     @staticmethod
     def from_timings(batch_size: int, num_speculative_tokens: int, target_1: float,

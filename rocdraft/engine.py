@@ -36,7 +36,7 @@ from rocdraft.drafter.eagle import EagleProposer
 from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets, graph_capture_refusal
 from rocdraft.drafter.tree_graphs import TreeLoopRunner
 from rocdraft.drafter.tree_index import host_depths
-from rocdraft.drafter.tree_spec import draft_lookahead
+from rocdraft.drafter.tree_spec import DynamicTree, draft_lookahead
 from rocdraft.errors import RocdraftError
 from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_block,
                                 plan_kv_cache)
@@ -51,6 +51,7 @@ from rocdraft.sampler import SamplingTensorCache
 from rocdraft.scheduler import Scheduler, ScheduledRequest
 from rocdraft.step_batch import StepBatch, build_step_batch
 from rocdraft.step_costs import EngineParts, measure_step_costs
+from rocdraft.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
 from rocdraft.tree_step import compact_target_kv, head_inputs_after_tree, verify_tree_step
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,8 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.builder = self.backend.builder_cls(device)
         self.head, self.draft_backend, self.proposer = None, None, None
+        self.tree_gains = None  # the dynamic tree's cost-based batch budget (_setup_drafter)
+        self.tree_budget: int | None = None  # the batch budget of the trees drafted last
         self.aux_layer_ids: tuple[int, ...] = ()  # target layers whose inputs EAGLE-3 reads
         self.draft_graph_refusal: str | None = "no speculative decoding"
         k = spec.num_speculative_tokens if spec else 0
@@ -216,6 +219,11 @@ class LLMEngine:
         self.step_costs: dict[int, StepCosts] = {}
         self.given_step_costs = StepCosts(*spec.draft_costs) if spec.draft_costs else None
         self.policy_steps = 0  # steps the cost policy chose for (drives its exploration)
+        # A dynamic tree under the cost policy without a fixed budget: the batch budget of
+        # each step comes from the step costs and measured acceptance (rocdraft/tree_budget.py).
+        self.tree_gains = TreeAcceptanceEstimate(self.tree.num_nodes) \
+            if isinstance(self.tree, DynamicTree) and spec.draft_policy == "cost" \
+            and spec.max_draft_tokens_per_step is None else None
         num_layers, num_kv_heads, head_dim = self.head.kv_cache_spec()
         self.draft_kv_caches = allocate_kv_cache(num_layers, num_blocks, block_size,
                                                  num_kv_heads, head_dim, self.torch_dtype,
@@ -372,7 +380,7 @@ class LLMEngine:
                 (s.request.params.seed, len(s.request.output_token_ids))
                 if samples and s.request.params.seed is not None else None
                 for s, samples in zip(scheduled, batch.samples)])
-        verified_tree = None
+        verified_tree, tree_scores = None, None
         if batch.draft_parents is not None:  # a tree step: walk, then compact the target KV
             verified_tree = verify_tree_step(logits, batch, sampling, self.tree.depth)
             sampled = verified_tree.sampled
@@ -388,18 +396,22 @@ class LLMEngine:
         if num_drafts or (self.proposer is not None and self._has_prefill(scheduled)):
             hidden = out.aux_hidden_states if self.aux_layer_ids else out.hidden_states
             if self.tree is not None:
-                drafts = self._propose_tree(batch, sampled, hidden, verified_tree)
+                drafts, tree_scores = self._propose_tree(batch, sampled, hidden, verified_tree)
             else:
                 drafts = self._propose(batch, sampled, hidden, max(num_drafts, 1))
         t4 = self._clock()
         sampled_cpu = sampled.tolist()  # the one device-to-host sync of a step
         drafts_cpu = drafts.tolist() if drafts is not None else None
-        if self.tree is not None and drafts_cpu is not None:  # rows: (tokens, parents)
+        if self.tree is not None and drafts_cpu is not None:  # (tokens, parents, scores)
             width = self.tree.num_nodes
-            drafts_cpu = [(row[:int(row[-1])], row[width:width + int(row[-1])])
-                          for row in drafts_cpu]
+            scores_cpu = tree_scores.tolist() if tree_scores is not None \
+                else [[]] * len(drafts_cpu)
+            drafts_cpu = [(row[:int(row[-1])], row[width:width + int(row[-1])],
+                           scores[:int(row[-1])]) for row, scores in zip(drafts_cpu, scores_cpu)]
+        paths = verified_tree.accepted_nodes.tolist() \
+            if verified_tree is not None and self.tree_gains is not None else None
         advanced = self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu,
-                                         stats, num_drafts)
+                                         stats, num_drafts, paths)
         t5 = self._clock()
         stats.num_steps += 1
         stats.time_s["bookkeeping"] += (t1 - t0) + (t5 - t4)
@@ -458,7 +470,8 @@ class LLMEngine:
         batch this scheduler's queue can form, while no request holds KV blocks (the dummy
         forwards may then write anywhere in the caches)."""
         spec = self.config.speculative
-        if spec.draft_policy != "cost" or self.given_step_costs is not None or self.tree \
+        if spec.draft_policy != "cost" or self.given_step_costs is not None \
+                or (self.tree is not None and self.tree_gains is None) \
                 or scheduler.running \
                 or scheduler.allocator.num_free_blocks != self.scheduler_config.num_blocks:
             return
@@ -477,7 +490,7 @@ class LLMEngine:
         return EngineParts(self.target, self.builder, self.kv_caches, self.aux_layer_ids,
                            self.proposer, self.draft_kv_caches, self.scheduler_config,
                            self.max_model_len, self.config.speculative.num_speculative_tokens,
-                           self.device)
+                           self.device, self.tree if self.tree_gains is not None else None)
 
     def _propose(self, batch: StepBatch, sampled: torch.Tensor, hidden,
                  num_drafts: int | None = None) -> torch.Tensor:
@@ -490,16 +503,32 @@ class LLMEngine:
         return self.proposer.propose(*args, num_rejected=rejected, num_drafts=num_drafts)
 
     def _propose_tree(self, batch: StepBatch, sampled: torch.Tensor, hidden,
-                      verified_tree) -> torch.Tensor:
-        """Draft each row's next tree -> [B, 2N + 1] int64: tokens, parents, node count.
-        After a tree step the batch is first reordered root + accepted path first, which
-        makes the head's first forward the chain's (padded, or unpadded on the host)."""
+                      verified_tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft each row's next tree -> ([B, 2N + 1] int64: tokens, parents, node count;
+        the nodes' scores [B, N] float32 for dynamic trees, else None). After a tree step
+        the batch is first reordered root + accepted path first, which makes the head's
+        first forward the chain's (padded, or unpadded on the host). The batch budget: the
+        configured one, or under the cost policy ``_tree_budget``'s."""
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
         args, _ = self._head_inputs(batch, sampled, hidden)
-        trees = self.proposer.propose_tree(*args, self.config.speculative
-                                           .max_draft_tokens_per_step)
-        return torch.cat([trees.tokens, trees.parents, trees.num_nodes.view(-1, 1)], dim=1)
+        budget = self.config.speculative.max_draft_tokens_per_step
+        if self.tree_gains is not None:
+            budget = self.tree_budget = self._tree_budget(batch.common.num_reqs)
+        trees = self.proposer.propose_tree(*args, budget)
+        packed = torch.cat([trees.tokens, trees.parents, trees.num_nodes.view(-1, 1)], dim=1)
+        return packed, trees.scores
+
+    def _tree_budget(self, batch_size: int) -> int | None:
+        """The batch node budget of the trees drafted now (rocdraft/tree_budget.py): B * n*,
+        or None (the full tree) when it would not cut, before the first full trees were
+        seen, without measured costs, and every EXPLORE_EVERY-th step (exploration)."""
+        self.policy_steps += 1
+        costs, accepted = self._costs_for(batch_size), self.tree_gains.accepted
+        if costs is None or accepted is None or self.policy_steps % EXPLORE_EVERY == 0:
+            return None
+        n = choose_nodes_per_request(accepted, costs, batch_size, self.tree)
+        return None if n >= self.tree.num_nodes else batch_size * n
 
     def _head_inputs(self, batch: StepBatch, sampled: torch.Tensor, hidden
                      ) -> tuple[tuple, torch.Tensor | None]:
@@ -536,11 +565,15 @@ class LLMEngine:
 
     def _update_requests(self, scheduler: Scheduler, scheduled: list[ScheduledRequest],
                          batch: StepBatch, sampled_cpu, drafts_cpu, stats: GenerationStats,
-                         per_request: int = 0) -> list[tuple[Request, list[int]]]:
+                         per_request: int = 0, verified_tree_paths: list | None = None
+                         ) -> list[tuple[Request, list[int]]]:
         """Append the step's tokens, advance the scheduler, keep ``per_request`` drafts per
-        request for the next step and feed the acceptance estimate -> (request, tokens
-        appended) per request that sampled."""
+        request for the next step and feed the acceptance estimates (``verified_tree_paths``:
+        the accepted node indices per request of a verified dynamic tree, for the tree
+        budget) -> (request, tokens appended) per request that sampled."""
         verified, accepted, advanced = [], [], []
+        tree_rows = []  # (scores, accepted path) of verified dynamic trees: the tree budget's
+        accepted_nodes = verified_tree_paths or []
         for row, item in enumerate(scheduled):
             req = item.request
             if not batch.samples[row]:  # partial prefill: nothing sampled yet
@@ -557,6 +590,9 @@ class LLMEngine:
                 req.num_accepted_drafts += num_accepted
                 verified.append(item.num_draft_tokens)
                 accepted.append(num_accepted)
+                if req.spec_scores and self.tree_gains is not None:
+                    tree_rows.append((req.spec_scores[:item.num_draft_tokens],
+                                      accepted_nodes[row][:num_accepted]))
             scheduler.update_after_step(item, num_accepted)
             before = len(req.output_token_ids)
             req.append_tokens(tokens, self.max_model_len)
@@ -566,12 +602,15 @@ class LLMEngine:
             elif drafts_cpu is not None and per_request:
                 room = max(min(self.max_model_len - req.num_tokens, per_request), 0)
                 if self.tree is not None:  # a BFS prefix of the tree is a tree
-                    tokens, parents = drafts_cpu[row]
+                    tokens, parents, scores = drafts_cpu[row]
                     req.spec_token_ids, req.spec_parents = tokens[:room], parents[:room]
+                    req.spec_scores = scores[:room]
                 else:
                     req.spec_token_ids = drafts_cpu[row][:room]
         if verified and self.tree is None:
             self.acceptance.update(verified, accepted)
+        if tree_rows:
+            self.tree_gains.observe(tree_rows)
         return advanced
 
 

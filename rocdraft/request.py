@@ -26,6 +26,9 @@ class Request:
     # Tree drafting: the parent of each draft (-1 = the root, the last sampled token) in BFS
     # order, so any prefix is a tree; empty for a chain (draft j's parent is draft j - 1).
     spec_parents: list[int] = field(default_factory=list)
+    # Dynamic trees: each draft's cumulative log-probability under the head (EAGLE-2's
+    # score), for the batch budget's calibration (rocdraft/tree_budget.py); else empty.
+    spec_scores: list[float] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
     error: str | None = None
@@ -67,12 +70,13 @@ class Request:
         self.clear_drafts()
 
     def clear_drafts(self) -> None:
-        self.spec_token_ids, self.spec_parents = [], []
+        self.spec_token_ids, self.spec_parents, self.spec_scores = [], [], []
 
     def keep_drafts(self, num_drafts: int) -> None:
         """Keep the first ``num_drafts`` drafts (a BFS prefix of a tree is a tree)."""
         self.spec_token_ids = self.spec_token_ids[:num_drafts]
         self.spec_parents = self.spec_parents[:num_drafts]
+        self.spec_scores = self.spec_scores[:num_drafts]
 
     def append_tokens(self, tokens: list[int], max_model_len: int) -> int:
         """Append accepted tokens, stopping at EOS / a stop id / max_tokens / max_model_len.

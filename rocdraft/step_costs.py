@@ -1,7 +1,9 @@
 """Step costs of the target and the EAGLE head, measured once per batch bucket on dummy
 inputs, for the draft-count policy (``draft_policy.StepCosts``; the model is documented
-there). The dummy forwards write no KV (every slot is PADDING_SLOT_ID) and read blocks
-that no request holds: the engine measures before any request is admitted."""
+there), or for the batch budget of dynamic trees (rocdraft/tree_budget.py). The dummy
+forwards write no KV (every slot is PADDING_SLOT_ID) except a tree's level forwards, which
+write into blocks of the dummy block table; the engine measures before any request is
+admitted, so no request holds those blocks."""
 from __future__ import annotations
 
 import time
@@ -29,6 +31,7 @@ class EngineParts:
     max_model_len: int
     num_speculative_tokens: int
     device: str
+    tree: object = None  # a DynamicTree: its steps are measured instead of the chain's
 
 
 def _sync(device: str) -> None:
@@ -41,19 +44,24 @@ def measure_step_costs(parts: EngineParts, batch_size: int, repeats: int = 3) ->
     """Time the target forward (with logits) and the head's first forward over 1 and
     k + 1 tokens per request, and the k - 1 draft steps, on dummy inputs (token 0 after
     a typical context); -> StepCosts fitted as in draft_policy.StepCosts.from_timings.
+    With ``parts.tree`` (a dynamic tree): over 1 and 1 + num_nodes tokens per request, and
+    its depth - 1 level forwards instead of the draft steps (``draft_step``: one level).
     The five runs are interleaved and each keeps its minimum over ``repeats`` rounds
     (after a warm-up round), so a burst of machine noise hits them alike."""
-    k = parts.num_speculative_tokens
+    tree = parts.tree
+    # Draft steps (chain steps or the tree's first forward + levels) and verified drafts.
+    k = tree.depth if tree is not None else parts.num_speculative_tokens
+    drafts = tree.num_nodes if tree is not None else k
     cfg = parts.scheduler_config
     # Within the engine's limits (a bucket may round above max_num_seqs).
     batch_size = min(batch_size, cfg.max_num_seqs, cfg.max_num_batched_tokens)
     # A typical context (attention over it is part of the verification cost; longer
     # contexts make verifying dearer than measured here).
-    context = max(min(256, parts.max_model_len - 2 * k - 2), 0)
-    top = max(min(k + 1, cfg.max_num_batched_tokens // batch_size,
+    context = max(min(256, parts.max_model_len - 2 * drafts - 2), 0)
+    top = max(min(drafts + 1, cfg.max_num_batched_tokens // batch_size,
                   parts.max_model_len - context), 1)  # tokens per request, verify-like
     # Each request reads its own blocks (as real ones do), wrapping around the cache.
-    per_request = -(-(context + 2 * k + 2) // cfg.block_size)
+    per_request = -(-(context + 2 * drafts + 2) // cfg.block_size)
     block_table = ((torch.arange(cfg.max_blocks_per_seq).unsqueeze(0)
                     + per_request * torch.arange(batch_size).unsqueeze(1))
                    % cfg.num_blocks).to(torch.int32)
@@ -79,6 +87,10 @@ def measure_step_costs(parts: EngineParts, batch_size: int, repeats: int = 3) ->
 
         def head(n, ids=ids, positions=positions, common=common, hidden=hidden,
                  last=last, zeros=zeros):
+            if tree is not None and n > 1:  # the first forward and every level
+                parts.proposer.propose_tree(ids, positions, hidden["h"], zeros, last, common,
+                                            parts.draft_kv_caches)
+                return
             parts.proposer.propose(ids, positions, hidden["h"], zeros, last, common,
                                   parts.draft_kv_caches, num_rejected=zeros, num_drafts=n)
 

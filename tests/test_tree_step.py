@@ -48,8 +48,11 @@ def reference(pair):
 
 
 def tree_llm(pair, method: str, tree: str, **kwargs) -> LLM:
-    spec = {k: kwargs.pop(k) for k in ("padded_drafting", "max_draft_tokens_per_step")
-            if k in kwargs}
+    """An engine drafting ``tree`` at its full size (draft_policy "fixed": the cost policy's
+    batch budget is tested on its own below) unless the kwargs say otherwise."""
+    spec = {k: kwargs.pop(k) for k in ("padded_drafting", "max_draft_tokens_per_step",
+                                       "draft_policy") if k in kwargs}
+    spec.setdefault("draft_policy", "fixed")
     return LLM(pair["target"], draft=pair[method],
                speculative_config=SpeculativeConfig(method=method, **TREES[tree], **spec),
                **kwargs)
@@ -217,3 +220,44 @@ def test_chain_config_is_unchanged_by_the_tree_path(pair, reference):
     assert llm.tree is None and llm.proposer.tree_drafter is None
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert len(llm.last_stats.per_position_acceptance) == 3
+
+
+def _recorded_budgets(llm: LLM) -> list[tuple[int, int | None]]:
+    """(batch size, budget) of every tree the engine drafts from now on."""
+    budgets, choose = [], llm._tree_budget
+    llm._tree_budget = lambda b: budgets.append((b, choose(b))) or budgets[-1][1]
+    return budgets
+
+
+def test_cost_policy_budgets_dynamic_trees_from_costs_and_measured_acceptance(pair,
+                                                                                reference):
+    """Under the cost policy a dynamic tree's batch budget comes from the step costs and the
+    acceptance measured on full-size trees (rocdraft/tree_budget.py): full trees first, then
+    dear verification keeps one node per request while cheap verification and levels keep
+    the full trees; greedy output is the target's either way."""
+    chosen = {}
+    for name, costs in (("dear", (1.0, 5.0, 0.0, 0.0, 0.1)), ("cheap", (1.0, 1e-4, 0, 0, 1e-4))):
+        spec = SpeculativeConfig("eagle3", **TREES["dynamic"], draft_costs=costs)
+        llm = LLM(pair["target"], draft=pair["eagle3"], speculative_config=spec)
+        assert llm.tree_gains is not None
+        budgets = _recorded_budgets(llm)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+        assert budgets[0][1] is None and llm.tree_gains.accepted is not None  # full first
+        chosen[name] = budgets[1:]
+        assert llm.last_stats.acceptance_length > 1.2
+    cut = [(b, n) for b, n in chosen["dear"] if n is not None]
+    assert len(cut) > len(chosen["dear"]) // 2 and all(n == b for b, n in cut)
+    assert all(n is None for _, n in chosen["cheap"])
+
+def test_tree_step_costs_are_measured_per_bucket(pair, reference):
+    """Without given costs the engine measures tree steps (the levels' cost as draft_step);
+    a fixed budget or policy turns the cost budget off."""
+    llm = LLM(pair["target"], draft=pair["eagle3"],
+              speculative_config=SpeculativeConfig("eagle3", **TREES["dynamic"]))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert sorted(llm.step_costs) == [1, 2, 4]
+    assert all(c.draft_step > 0 and c.target_fixed > 0 for c in llm.step_costs.values())
+    for extra in (dict(max_draft_tokens_per_step=8), dict(draft_policy="fixed")):
+        other = LLM(pair["target"], draft=pair["eagle3"],
+                    speculative_config=SpeculativeConfig("eagle3", **TREES["dynamic"], **extra))
+        assert other.tree_gains is None
