@@ -6,7 +6,12 @@ steady-state steps and prints, per step:
 
 - the time per phase (bookkeeping, target forward, sampler, drafter: the engine's own split),
 - the number of aten ops dispatched and the host-to-device syncs,
-- the top ops by self time (CPU, plus CUDA/HIP where a GPU is present).
+- the top ops by self time (CPU, plus CUDA/HIP where a GPU is present);
+- the matmul weight bytes read per step and per emitted token (from the profiled shapes of
+  every mm/addmm: machine-independent), and for the speculative step the bound they put on its
+  speedup where a step is bound by reading weights: target-only bytes per token over
+  speculative bytes per token. At bs 1 on a CPU both engines stream every weight once per
+  forward, so a speculative step cannot beat that bound whatever its overheads.
 
     python scripts/profile_step.py                       # bs 1 and 8, 1 torch thread
     python scripts/profile_step.py --batch-size 8 --steps 20 --top 25 --threads 2
@@ -69,10 +74,22 @@ def _start_batch(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[Schedul
     return scheduler, requests
 
 
-def profile_run(llm: LLM, label: str, prompts: list[str], args) -> None:
-    """Profile ``args.steps`` steady-state steps of ``prompts`` as one batch; print the report.
-    The speculative LLM verifies a fixed k per step (draft_policy "fixed"), so the profiled
-    step is the k-draft step whatever the cost policy would choose."""
+def weight_bytes(events, itemsize: int) -> int:
+    """Bytes of the second operand (the weight) of every profiled mm / addmm."""
+    total = 0
+    for e in events:
+        if e.name in ("aten::mm", "aten::addmm") and e.input_shapes:
+            shape = e.input_shapes[1 if e.name == "aten::mm" else 2]
+            if len(shape) == 2:
+                total += shape[0] * shape[1] * itemsize
+    return total
+
+
+def profile_run(llm: LLM, label: str, prompts: list[str], args) -> float:
+    """Profile ``args.steps`` steady-state steps of ``prompts`` as one batch; print the report
+    -> matmul weight bytes read per emitted token. The speculative LLM verifies a fixed k per
+    step (draft_policy "fixed"), so the profiled step is the k-draft step whatever the cost
+    policy would choose."""
     budget = (args.warmup + args.steps + 2) * (args.num_speculative_tokens + 1)
     scheduler, _ = _start_batch(llm, prompts, budget)
     stats = GenerationStats(num_speculative_tokens=llm.config.speculative.num_speculative_tokens
@@ -83,7 +100,7 @@ def profile_run(llm: LLM, label: str, prompts: list[str], args) -> None:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available() and str(llm.device).startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(args.steps):
             llm._step(scheduler, stats)
     events = prof.key_averages()
@@ -104,10 +121,15 @@ def profile_run(llm: LLM, label: str, prompts: list[str], args) -> None:
     print(f"aten ops per step: {dispatched / steps:.0f} dispatched from Python, "
           f"{aten_calls / steps:.0f} including nested; "
           f"host syncs per step: {syncs / steps:.1f}")
+    tokens_per_step = len(prompts) * (stats.acceptance_length if stats.num_verify_steps else 1)
+    streamed = weight_bytes(prof.events(), llm.torch_dtype.itemsize) / steps
     if stats.num_verify_steps:
         print(f"acceptance length {stats.acceptance_length:.2f}")
+    print(f"matmul weight bytes read per step: {streamed / 2**20:.1f} MiB, per emitted token: "
+          f"{streamed / tokens_per_step / 2**20:.2f} MiB")
     sort_key = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
     print(events.table(sort_by=sort_key, row_limit=args.top, max_name_column_width=48))
+    return streamed / tokens_per_step
 
 
 def main() -> int:
@@ -127,9 +149,12 @@ def main() -> int:
     prompts = heldout_prompts(n=max(batch_sizes), prompt_tokens=96, seed=0,
                               tokenizer=base.tokenizer)
     for batch_size in batch_sizes:
-        profile_run(base, "target-only decode step", prompts[:batch_size], args)
-        profile_run(spec, f"{args.method} k={args.num_speculative_tokens} speculative step",
-                    prompts[:batch_size], args)
+        plain = profile_run(base, "target-only decode step", prompts[:batch_size], args)
+        speculative = profile_run(
+            spec, f"{args.method} k={args.num_speculative_tokens} speculative step",
+            prompts[:batch_size], args)
+        print(f"\nbs {batch_size}: weight bytes per token, target-only / speculative = "
+              f"{plain / speculative:.2f}x (the speedup bound of a weight-bandwidth-bound step)")
     return 0
 
 
