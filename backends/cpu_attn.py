@@ -21,6 +21,13 @@ What differs is where the work happens:
   ``1 + k`` verifies, draft steps) is a pure view: no query scatter, no output gather.
   For one query per request GQA is folded into the query rows (``[B, Hk, G, D]``, a view),
   so SDPA sees MHA with a ``[B, 1, 1, S]`` mask broadcast over the G rows.
+- A ragged batch where a few requests have long queries (a prompt chunk joining decodes or
+  verifies: with continuous batching under speculation, nearly every join) would pad every
+  request's queries to the longest: 8 requests beside one 128-token chunk did 8x the chunk's
+  attention. The plan splits such a batch into two groups by query length
+  (``query_groups``, on the host copies of the lengths) and plans each as a batch of its
+  own; each layer then runs one gather + SDPA per group. Measured on the built-in target
+  (bs 8, one 128-token chunk joining 7 verifies of 5 tokens): see ``query_groups``.
 
 Chosen by measurement on the built-in target's shapes (6 query / 2 KV heads, head_dim 64,
 block 16, ~160-token sequences; float32, 1 thread, one process, candidates interleaved, a
@@ -88,6 +95,9 @@ class CpuAttnMetadata:
     # The part of the plan that needs the cache's block size (only the cache knows it):
     # computed by the first layer, reused by the others. block_size -> BlockPlan.
     by_block_size: dict = field(default_factory=dict, compare=False, repr=False)
+    # A batch split by query length (``query_groups``): per group the indices of its tokens
+    # [n_g] int64 and its own plan; the fields above then hold only the KV-write plan.
+    groups: tuple[tuple[torch.Tensor, "CpuAttnMetadata"], ...] | None = None
 
     def block_plan(self, block_size: int) -> "BlockPlan":
         plan = self.by_block_size.get(block_size)
@@ -128,9 +138,82 @@ def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return torch.where(valid, slots, anchor_slot), torch.where(valid, rows, anchor_row)
 
 
+# Split a ragged batch when the two groups' padded attention work is at most this share of
+# the whole batch's.
+SPLIT_WORK_SHARE = 0.5
+
+
+def query_groups(query_lens: list[int], seq_lens: list[int]) -> list[list[int]] | None:
+    """Two groups of request indices, short and long queries, when padding each group to its
+    own longest query and sequence costs at most SPLIT_WORK_SHARE of padding the whole batch
+    to its longest (the work: requests x query rows x keys); None: plan the batch whole.
+
+    Example: query_lens [128, 5, 5, 5, 5, 5, 5, 5] (a prompt chunk joining 7 verifies),
+    seq_lens [128, 300, ...]: whole 8 x 128 x 300 = 307200; split {1..7}: 7 x 5 x 300 =
+    10500 plus {0}: 1 x 128 x 128 = 16384 -> [[1, 2, 3, 4, 5, 6, 7], [0]].
+    query_lens [5, 5, 4] -> None (nothing to gain).
+    """
+    if len(query_lens) < 2:
+        return None
+    whole = len(query_lens) * max(query_lens) * max(seq_lens)
+    best, best_work = None, SPLIT_WORK_SHARE * whole
+    for threshold in sorted(set(query_lens))[:-1]:
+        short = [i for i, q in enumerate(query_lens) if q <= threshold]
+        long = [i for i, q in enumerate(query_lens) if q > threshold]
+        work = sum(len(g) * max(query_lens[i] for i in g) * max(seq_lens[i] for i in g)
+                   for g in (short, long))
+        if work <= best_work:
+            best, best_work = [short, long], work
+    return best
+
+
+def sub_batch(common: CommonAttentionMetadata, requests: list[int]
+              ) -> tuple[torch.Tensor, CommonAttentionMetadata]:
+    """The metadata of ``requests`` (indices into the batch, ascending) as a batch of their
+    own -> (their token indices [n] int64, its CommonAttentionMetadata). Host-side index
+    work on the host copies only."""
+    qsl = common.query_start_loc_cpu.tolist()
+    device = common.seq_lens.device
+    tokens_cpu = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in requests])
+    lens = [qsl[i + 1] - qsl[i] for i in requests]
+    sub_qsl = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    index = torch.tensor(requests, device=device)
+    seq_lens_cpu = common.seq_lens_cpu[torch.tensor(requests)]
+    tokens = tokens_cpu.to(device)
+    spec_mask = common.spec_mask
+    if spec_mask is not None and spec_mask.dim() == 3:
+        spec_mask = spec_mask.index_select(0, index)
+    return tokens, common.with_updates(
+        query_start_loc=sub_qsl.to(device), query_start_loc_cpu=sub_qsl,
+        seq_lens=common.seq_lens.index_select(0, index), seq_lens_cpu=seq_lens_cpu,
+        num_reqs=len(requests), num_actual_tokens=int(sub_qsl[-1]), max_query_len=max(lens),
+        max_seq_len=min(int(seq_lens_cpu.max()), common.max_seq_len),
+        block_table=common.block_table.index_select(0, index),
+        slot_mapping=common.slot_mapping.index_select(0, tokens), spec_mask=spec_mask)
+
+
 class CpuAttnBuilder(MetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> CpuAttnMetadata:
-        """The per-step plan (see the module docstring); no host reads of device tensors."""
+        """The per-step plan (see the module docstring); no host reads of device tensors.
+        Only a batch whose padding would at least double its query rows (a ragged one: never
+        decodes, verifies or draft steps) reads the metadata's host copies of the lengths,
+        to choose a split (``query_groups``)."""
+        padded_rows = common.num_reqs * common.max_query_len
+        if common.num_reqs > 1 and padded_rows >= 2 * common.num_actual_tokens:
+            qsl = common.query_start_loc_cpu.tolist()
+            groups = query_groups([b - a for a, b in zip(qsl, qsl[1:])],
+                                  common.seq_lens_cpu.tolist())
+            if groups is not None:
+                write_slots, write_rows = _write_plan(common.slot_mapping)
+                empty = torch.empty(0, device=common.seq_lens.device)
+                planned = tuple((tokens, self._build_whole(sub)) for tokens, sub in
+                                (sub_batch(common, g) for g in groups))
+                return CpuAttnMetadata(common, 0, 0, empty, empty.long(), write_slots,
+                                       write_rows, None, groups=planned)
+        return self._build_whole(common)
+
+    def _build_whole(self, common: CommonAttentionMetadata) -> CpuAttnMetadata:
+        """The plan of the batch as one padded [batch_size, max_query_len] block."""
         num_tokens = common.slot_mapping.shape[0]
         batch_size = common.num_reqs
         num_rows, num_keys = max(common.max_query_len, 1), max(common.max_seq_len, 1)
@@ -220,6 +303,12 @@ def gather_kv(cache: LayerKVCache, plan: BlockPlan, batch_size: int
 def paged_attention(query: torch.Tensor, cache: LayerKVCache, meta: CpuAttnMetadata,
                     scale: float) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim] float32."""
+    if meta.groups is not None:  # one padded block per query-length group
+        out = query.new_zeros(query.shape, dtype=torch.float32)  # padding tokens: 0
+        for tokens, group in meta.groups:
+            out.index_copy_(0, tokens, paged_attention(query.index_select(0, tokens), cache,
+                                                       group, scale))
+        return out
     num_tokens, num_heads, head_dim = query.shape
     batch_size, num_rows = meta.common.num_reqs, meta.num_query_rows
     plan = meta.block_plan(cache.block_size)

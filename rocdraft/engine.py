@@ -51,6 +51,7 @@ from rocdraft.sampler import SamplingTensorCache
 from rocdraft.scheduler import Scheduler, ScheduledRequest
 from rocdraft.step_batch import StepBatch, build_step_batch
 from rocdraft.step_costs import EngineParts, measure_step_costs
+from rocdraft.throughput_guard import ThroughputGuard
 from rocdraft.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
 from rocdraft.tree_step import compact_target_kv, head_inputs_after_tree, verify_tree_step
 
@@ -140,6 +141,7 @@ class LLMEngine:
         self.builder = self.backend.builder_cls(device)
         self.head, self.draft_backend, self.proposer = None, None, None
         self.tree_gains = None  # the dynamic tree's cost-based batch budget (_setup_drafter)
+        self.throughput_guard = None  # the cost policy's realized-throughput veto (idem)
         self.tree_budget: int | None = None  # the batch budget of the trees drafted last
         self.aux_layer_ids: tuple[int, ...] = ()  # target layers whose inputs EAGLE-3 reads
         self.draft_graph_refusal: str | None = "no speculative decoding"
@@ -219,6 +221,10 @@ class LLMEngine:
         self.step_costs: dict[int, StepCosts] = {}
         self.given_step_costs = StepCosts(*spec.draft_costs) if spec.draft_costs else None
         self.policy_steps = 0  # steps the cost policy chose for (drives its exploration)
+        # Chains under the cost policy with measured costs: speculation is vetoed where it is
+        # measured slower than plain decoding (rocdraft/throughput_guard.py).
+        self.throughput_guard = ThroughputGuard() if spec.draft_policy == "cost" \
+            and spec.draft_costs is None and self.tree is None else None
         # A dynamic tree under the cost policy without a fixed budget: the batch budget of
         # each step comes from the step costs and measured acceptance (rocdraft/tree_budget.py).
         self.tree_gains = TreeAcceptanceEstimate(self.tree.num_nodes) \
@@ -413,6 +419,12 @@ class LLMEngine:
         advanced = self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu,
                                          stats, num_drafts, paths)
         t5 = self._clock()
+        if self.throughput_guard is not None and not self._has_prefill(scheduled):
+            verified = any(s.num_draft_tokens for s in scheduled)
+            drafted = drafts is not None and num_drafts > 0
+            if verified == drafted:  # a pure step of one mode: a sample
+                self.throughput_guard.record(len(scheduled), "spec" if drafted else "plain",
+                                             sum(len(t) for _, t in advanced), t5 - t0)
         stats.num_steps += 1
         stats.time_s["bookkeeping"] += (t1 - t0) + (t5 - t4)
         stats.time_s["target_verify"] += t2 - t1
@@ -450,8 +462,11 @@ class LLMEngine:
         if costs is None:  # nothing measured yet (a step run outside generate): the cap
             return cap
         self.policy_steps += 1
-        return choose_num_drafts(costs, self.acceptance.rates, batch_size, cap,
-                                 explore=self.policy_steps % EXPLORE_EVERY == 0)
+        choice = choose_num_drafts(costs, self.acceptance.rates, batch_size, cap,
+                                   explore=self.policy_steps % EXPLORE_EVERY == 0)
+        if self.throughput_guard is not None:
+            choice = self.throughput_guard.decide(batch_size, choice, cap)
+        return choice
 
     def _costs_for(self, batch_size: int) -> StepCosts | None:
         """The given costs, else those of the batch's bucket, else the nearest measured."""

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from rocdraft.backends import registry
 from rocdraft.backends.base import Feature, GraphCapture
 from rocdraft.backends.cpu_attn import (CpuAttnBackend, CpuAttnBuilder, CpuAttnImpl,
-                                        CpuAttnMetadata, _write_plan)
+                                        CpuAttnMetadata, _write_plan, query_groups)
 from rocdraft.backends.kv_cache import FP8_DTYPES, NHD, SPLIT_K, allocate_kv_cache
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.torch_sdpa import TorchSDPABuilder, TorchSDPAImpl
@@ -262,3 +262,46 @@ def test_engine_greedy_outputs_equal_the_oracle_backend(method):
                   **spec)
         outputs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["CPU_ATTN"] == outputs["TORCH_SDPA"]
+
+
+JOIN = [(0, 40), (30, 5), (25, 5), (12, 5), (33, 5)]  # a prompt chunk joining 4 verifies
+
+
+def test_query_groups_examples():
+    assert query_groups([128] + [5] * 7, [128] + [300] * 7) == [[1, 2, 3, 4, 5, 6, 7], [0]]
+    assert query_groups([5, 5, 4], [30, 40, 50]) is None  # nothing to gain
+    assert query_groups([40], [40]) is None  # one request
+    # Two lengths close together: padding costs less than half, so no split.
+    assert query_groups([6, 5, 6, 5], [20, 20, 20, 20]) is None
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1)], ids=["gqa2", "gqa6"])
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree-masks"])
+def test_a_chunk_joining_verifies_is_split_and_equals_the_oracle(heads, tree):
+    """The plan splits the chunk from the verifies (two padded blocks instead of one 40-row
+    block for every request); graph padding tokens stay 0; caches written as the oracle's."""
+    masks = random_tree_masks(len(JOIN), 5, seed=4) if tree else None
+    make = lambda: Case(JOIN, num_heads=heads[0], num_kv_heads=heads[1], seed=21)  # noqa: E731
+    fast, oracle, fast_case, oracle_case = _both(make, num_padding=2, spec_mask=masks)
+    case = make()
+    _, _, _, slots = case.new_token_inputs(2)
+    meta = CpuAttnBuilder("cpu").build(_common(case, slots, masks))
+    assert meta.groups is not None
+    assert [g.common.num_reqs for _, g in meta.groups] == [4, 1]
+    torch.testing.assert_close(fast, oracle, atol=1e-5, rtol=1e-5)
+    assert not fast[sum(q for _, q in JOIN):].any()
+    _assert_same_caches(fast_case, oracle_case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(chunk=st.integers(12, 40), short=st.lists(st.tuples(st.integers(0, 30),
+                                                           st.integers(1, 3)),
+                                                 min_size=1, max_size=5),
+       position=st.integers(0, 5), num_padding=st.integers(0, 2), seed=st.integers(0, 1000))
+def test_split_batches_equal_the_oracle(chunk, short, position, num_padding, seed):
+    specs = list(short)
+    specs.insert(min(position, len(specs)), (0, chunk))
+    fast, oracle, fast_case, oracle_case = _both(
+        lambda: Case(specs, head_dim=8, block_size=4, seed=seed), num_padding=num_padding)
+    torch.testing.assert_close(fast, oracle, atol=1e-5, rtol=1e-5)
+    _assert_same_caches(fast_case, oracle_case)
