@@ -199,13 +199,20 @@ class LLMEngine:
         # The registry picks the head's backend: the argument, else the env var, else the
         # target's when it can run the draft loop (captured on a GPU), else the first that can.
         arch = detect_platform().arch if kind != "cpu" else None
+        # Under tensor parallelism the head runs on this rank alone, over whole copies of the
+        # target's vocabulary tables: its draft loop holds no collective
+        # (rocdraft/distributed/head_tables.py says why).
+        vocab_source = self.target
+        if self.executor is not None:
+            from rocdraft.distributed.head_tables import load_vocab_tables
+
+            vocab_source = load_vocab_tables(self.config.target, self.target.config,
+                                             self.torch_dtype, self.device)
         self.head, draft_selection = load_draft_head(
-            self.config.draft, self.target, spec.method, self.torch_dtype, self.device, kind,
+            self.config.draft, vocab_source, spec.method, self.torch_dtype, self.device, kind,
             block_size, self.backend.name, self.config.draft_attention_backend,
             spec.num_speculative_tokens, need_graphs=kind != "cpu" and not spec.enforce_eager,
             arch=arch, features=(Feature.TREE_DRAFTING,) if self.tree is not None else ())
-        if self.executor is not None:
-            self.head = self.executor.wrap_head(self.head)
         if self.compile_backend is not None:
             self.head.regions = compiled_regions(self.compile_backend)
         self.draft_backend, self.draft_backend_reason = draft_selection.backend, \
@@ -242,8 +249,6 @@ class LLMEngine:
         self.proposer.validate_kv_caches(self.draft_kv_caches)
         self.draft_graph_refusal = graph_capture_refusal(self.draft_backend, self.device,
                                                          spec.enforce_eager)
-        if self.executor is not None and not spec.enforce_eager:
-            self.draft_graph_refusal = self.executor.graph_capture_refusal()
         if self.draft_graph_refusal is None and self.tree is not None:
             if self.proposer.tree_drafter.level_ends:  # a depth-1 tree has no level loop
                 self.proposer.tree_runner = TreeLoopRunner(

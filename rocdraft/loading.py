@@ -35,7 +35,9 @@ def load_draft_head(path: str, target, method: str, dtype: torch.dtype, device: 
                     explicit: str | None, num_speculative_tokens: int, need_graphs: bool,
                     arch: str | None = None, features: tuple[registry.Feature, ...] = ()
                     ) -> tuple[torch.nn.Module, registry.Selection]:
-    """-> (EAGLE head, the Selection of its attention backend). The backend is chosen by
+    """-> (EAGLE head, the Selection of its attention backend). ``target``: the target model,
+    or under tensor parallelism the whole vocabulary tables standing in for it
+    (``distributed.head_tables.VocabTables``). The backend is chosen by
     ``registry.select_draft_backend`` (``explicit``, else ROCDRAFT_DRAFT_ATTENTION_BACKEND, else
     by what the draft loop needs); the head's format must match ``method``."""
     head_dim = HeadConfig.from_dict(read_config_json(path)).head_dim

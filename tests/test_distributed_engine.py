@@ -22,6 +22,9 @@ from checkpoints import (write_cyclic_eagle1_head, write_cyclic_eagle3_head, wri
                          write_tiny_llama)
 from distributed_helpers import live_children, make_mistral
 from rocdraft.config import SamplingParams, SpeculativeConfig
+from rocdraft.distributed import messages as msg
+from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets
+from rocdraft.drafter.tree_graphs import TreeLoopRunner
 from rocdraft.engine import LLM
 from rocdraft.errors import RocdraftError
 
@@ -67,14 +70,36 @@ def _spec(method: str, k: int = 3) -> SpeculativeConfig:
     return SpeculativeConfig(method, k, draft_policy="fixed")
 
 
+def _record_ops(monkeypatch) -> list[int]:
+    """The op code of every message rank 0 broadcasts from now on."""
+    ops, encode = [], msg.encode
+    monkeypatch.setattr(msg, "encode", lambda op, *a, **k: ops.append(op) or encode(op, *a, **k))
+    return ops
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_speculative_tp2_equals_tp1(pair, reference, method):
+def test_speculative_tp2_equals_tp1(pair, reference, method, monkeypatch):
+    """The head runs on rank 0 alone over whole vocabulary tables: only the target's calls
+    are broadcast (forward + logits per step), so the draft loop holds no collective. The
+    engine decides capture as at TP 1 (on a GPU it captures; here it says "no GPU"), and the
+    draft-loop runner the engine builds on a GPU, replaying its static buffers eagerly here,
+    runs under TP with the same tokens and without a message."""
     with LLM(pair["target"], pair[method], _spec(method), tensor_parallel_size=2) as llm:
+        assert llm.draft_graph_refusal == LLM(pair["target"], pair[method],
+                                              _spec(method)).draft_graph_refusal
+        llm.proposer.graph_runner = DraftLoopRunner(
+            llm.proposer, llm.draft_kv_caches, llm.head.config.hidden_size,
+            llm.scheduler_config.max_blocks_per_seq, capture_buckets(4), use_graphs=False)
+        ops = _record_ops(monkeypatch)
+        runs, run = [], llm.proposer.graph_runner.run
+        llm.proposer.graph_runner.run = lambda *a, **k: runs.append(1) or run(*a, **k)
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
         assert llm.last_stats.acceptance_length > 1.5  # drafts were accepted
+        steps = llm.last_stats.num_steps
+        assert runs and set(ops) <= {msg.TARGET_FORWARD, msg.TARGET_LOGITS, msg.NOP}
+        assert ops.count(msg.TARGET_FORWARD) == ops.count(msg.TARGET_LOGITS) == steps
         # Seeded sampling is per output position, so speculative == target-only here too.
         assert _tokens(llm.generate(PROMPTS, SEEDED)) == reference["seeded"]
-        assert "gloo collectives cannot be captured" in llm.draft_graph_refusal
         assert llm.executor.broadcast_bytes > 0 and llm.executor.counter.all_reduce_calls > 0
         pids = llm.executor.worker_pids
     assert_no_children()
@@ -88,10 +113,18 @@ def test_tree_speculation_tp2_equals_tp1(pair, reference, tree):
     """Tree steps under TP: the tree-masked verify and the head's levels go through the
     proxies, and every rank compacts its own KV heads (TARGET_COMPACT); without the
     compaction message the workers' caches go stale and the tokens differ."""
-    with _llm(pair["target"], pair["eagle3"], SpeculativeConfig("eagle3", **tree),
+    with _llm(pair["target"], pair["eagle3"], SpeculativeConfig("eagle3", **tree,
+                                                                draft_policy="fixed"),
               tensor_parallel_size=2) as llm:
+        if llm.proposer.tree_drafter.level_ends:  # the runner a GPU engine builds
+            llm.proposer.tree_runner = TreeLoopRunner(
+                llm.proposer.tree_drafter, llm.draft_kv_caches, llm.head.config.hidden_size,
+                llm.scheduler_config.max_blocks_per_seq, capture_buckets(4), use_graphs=False)
+        runs, run = [], llm.proposer.tree_runner.run
+        llm.proposer.tree_runner.run = lambda *a, **k: runs.append(1) or run(*a, **k)
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
         assert llm.last_stats.acceptance_length > 1.5
+        assert runs  # the tree levels ran through the tree runner under TP
     assert_no_children()
 
 

@@ -38,7 +38,8 @@ def test_round_trip(mask, mrope, dtype):
         positions = torch.stack([positions, positions + 1, positions + 2])
     common = _common(mask)
     features = torch.randn(4, 8).to(dtype)
-    header, ints, hidden = msg.encode(msg.HEAD_FORWARD, ids, positions, common, features)
+    # Tokens and hidden rows in one message: the format carries both for any op.
+    header, ints, hidden = msg.encode(msg.TARGET_FORWARD, ids, positions, common, features)
     fields = header.tolist()
     assert msg.ints_numel(fields) == ints.numel()
     assert msg.hidden_shape(fields) == ((4, 8), dtype)

@@ -11,7 +11,9 @@ One concept per file:
 - ``tp_model``: the sharded Llama-family target of one rank;
 - ``messages``: the compact int64 tensor message rank 0 broadcasts before each module call
   that holds collectives (no pickled objects per step);
-- ``proxy``: rank 0's stand-ins for the target and the EAGLE head that send those messages;
+- ``proxy``: rank 0's stand-in for the target that sends those messages;
+- ``head_tables``: whole copies of the target's vocabulary tables, so the EAGLE head runs on
+  rank 0 alone and its draft loop holds no collective (and is graph-captured);
 - ``worker``: the loop of ranks 1..N-1 (receive, run the same call on their shards);
 - ``executor``: starting (spawn or torchrun), calling, failure handling and shutdown of the
   workers;

@@ -3,7 +3,7 @@
 ``start_tensor_parallel`` refuses a size the target cannot split (``check_tensor_parallel``:
 tp < 1, not dividing the heads / KV heads / MLP rows, more than the visible GPUs) before any
 weight loads, then starts the executor (the workers, or torchrun's group). ``worker_spec``
-is what the workers need from the constructed engine: the chosen attention backends and the
+is what the workers need from the constructed engine: the chosen attention backend and the
 KV-cache blocks per rank (planned on rank 0 from the per-rank ``kv_cache_spec``).
 """
 from __future__ import annotations
@@ -28,11 +28,10 @@ def worker_spec(engine, block_size: int, num_blocks: int) -> WorkerSpec:
     config = engine.config
     threads = max(1, torch.get_num_threads() // engine.executor.tp_size)
     return WorkerSpec(
-        target=config.target, draft=config.draft,
+        target=config.target,
         dtype={v: k for k, v in _DTYPE_NAMES.items()}[engine.torch_dtype],
         device="cpu" if engine.device == "cpu" else "cuda",
         attention_backend=engine.backend.name,
-        draft_attention_backend=engine.draft_backend.name if engine.draft_backend else None,
         block_size=block_size, num_blocks=num_blocks, num_threads=threads)
 
 

@@ -14,6 +14,10 @@ Two ways to start (``start_executor``):
   the engine's constructor and exit (status 0) when rank 0 shuts down. The spec is sent once
   with ``broadcast_object_list``; rank 0's load must finish within ``timeout_s``.
 
+Only the target's calls are sent (its forward, its logits, tree KV compaction): the EAGLE
+head runs on rank 0 alone (distributed/head_tables.py), so its draft loop holds no collective
+and is graph-captured as on one GPU.
+
 Per call (``TensorParallelExecutor.call``): under one lock, broadcast the message
 (``distributed.messages``), then run the local call; the workers run the same call, so every
 collective inside it matches. Any failure inside a call leaves the ranks out of step: the
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -74,7 +79,7 @@ def check_backend(backend: str | None, device: str) -> str:
 def start_executor(tp_size: int, backend: str | None, device: str,
                    timeout_s: float = DEFAULT_TIMEOUT_S) -> "TensorParallelExecutor":
     """Start the other ranks (spawn) or join torchrun's group. On a torchrun rank > 0 this
-    serves rank 0 until it shuts down and then exits the process (SystemExit(0))."""
+    serves rank 0 until it shuts down and then exits the process (status 0)."""
     backend = check_backend(backend, device)
     if not timeout_s > 0:
         raise RocdraftError(f"distributed_timeout_s must be positive, got {timeout_s!r}")
@@ -88,7 +93,12 @@ def start_executor(tp_size: int, backend: str | None, device: str,
     group = init_process_group(rank, world_size, backend, None, timeout_s)
     if rank != 0:
         _torchrun_worker(group, device)
-        raise SystemExit(0)
+        # A clean end: skip the interpreter's teardown, where gloo's C++ threads could still
+        # be destroyed joinable ("terminate called without an active exception", about 1
+        # run in 16 under load) and turn a finished run into a SIGABRT.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return TensorParallelExecutor(_Ranks(group, backend, device, timeout_s, [], []))
 
 
@@ -124,24 +134,10 @@ class TensorParallelExecutor:
         """Exit code per spawned worker (None: still running); 0 after a clean close()."""
         return [p.exitcode for p in self._ranks.procs]
 
-    def graph_capture_refusal(self) -> str:
-        """Why the draft loop runs eagerly under tensor parallelism."""
-        if self.backend == "gloo":
-            return (f"tensor parallel over gloo (tp {self.tp_size}): gloo collectives cannot "
-                    f"be captured in a CUDA/HIP graph")
-        return (f"tensor parallel (tp {self.tp_size}, nccl): the workers replay rank 0's draft "
-                f"calls one message at a time; capturing the draft loop on every rank is not "
-                f"wired yet")
-
     def wrap_target(self, model: torch.nn.Module):
         from rocdraft.distributed.proxy import TargetProxy
 
         return TargetProxy(model, self)
-
-    def wrap_head(self, head: torch.nn.Module):
-        from rocdraft.distributed.proxy import HeadProxy
-
-        return HeadProxy(head, self)
 
     def start_workers(self, spec: WorkerSpec) -> None:
         """Send the spec; return once every worker loaded its shards (RocdraftError if one
@@ -343,6 +339,11 @@ class _Ranks:
             conn.close()
         self.conns = []
         if not self.procs and dist.is_initialized():  # torchrun: the default group
+            if join_first:  # the workers got SHUTDOWN: meet them before tearing gloo down
+                try:
+                    dist.barrier(group=self.group.group)
+                except RuntimeError:
+                    pass
             dist.destroy_process_group()
         self.store = None
 
@@ -441,5 +442,8 @@ def _torchrun_worker(group: ParallelGroup, device: str) -> None:
     dist.barrier(group=group.group)
     try:
         serve_ops(state, group)
+        # SHUTDOWN: rank 0 waits here too, so neither side tears its gloo pairs down while
+        # the other may still be reading (a SIGABRT at exit otherwise).
+        dist.barrier(group=group.group)
     finally:
         dist.destroy_process_group()

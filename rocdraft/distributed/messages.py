@@ -8,7 +8,7 @@ A message is at most three broadcasts, never a pickled Python object:
    seq_lens [B] | seq_lens_cpu [B] | block_table [B * block_cols] | slot_mapping [num_slots] |
    spec_mask [mask numel] (0 / 1)``;
 3. ``hidden`` [hidden_rows, hidden_cols] in the model dtype named by ``HIDDEN_DTYPE``
-   (the head's input features, or the rows the logits are computed from).
+   (the rows the target's logits are computed from).
 
 Worked example: a target forward of two requests, one decode token (position 5) and a
 3-token prefill, block table [[0, 1], [2, -1]], slots [5, 8, 9, 10]::
@@ -28,16 +28,14 @@ from rocdraft.backends.metadata import CommonAttentionMetadata
 
 HEADER_SIZE = 16
 # Op codes.
-NOP, SHUTDOWN, TARGET_FORWARD, TARGET_LOGITS, HEAD_FORWARD, HEAD_LOGITS, TARGET_COMPACT = \
-    range(7)
-OP_NAMES = ("NOP", "SHUTDOWN", "TARGET_FORWARD", "TARGET_LOGITS", "HEAD_FORWARD", "HEAD_LOGITS",
-            "TARGET_COMPACT")
+NOP, SHUTDOWN, TARGET_FORWARD, TARGET_LOGITS, TARGET_COMPACT = range(5)
+OP_NAMES = ("NOP", "SHUTDOWN", "TARGET_FORWARD", "TARGET_LOGITS", "TARGET_COMPACT")
 # Header fields.
 (OP, NUM_TOKENS, NUM_REQS, NUM_ACTUAL_TOKENS, MAX_QUERY_LEN, MAX_SEQ_LEN, CAUSAL, POS_ROWS,
  BLOCK_COLS, MASK_DIMS, MASK_SIZE, HIDDEN_ROWS, HIDDEN_COLS, HIDDEN_DTYPE, _SPARE,
  NUM_SLOTS) = range(HEADER_SIZE)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TOKEN_OPS = (TARGET_FORWARD, HEAD_FORWARD)
+TOKEN_OPS = (TARGET_FORWARD,)
 
 
 def encode(op: int, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,

@@ -1,16 +1,14 @@
 """The worker loop of ranks 1..N-1: receive a message, run the same module call on this rank's
 shards and KV caches, repeat until SHUTDOWN.
 
-A worker holds what rank 0 holds minus the scheduling: its shard of the target
-(``load_tp_target``), the EAGLE head replicated whole (its embedding / lm_head are the
-target's parallel modules, so the head's calls hold collectives too), the paged KV caches of
-its own heads (``WorkerSpec.num_blocks`` blocks, the same block tables as rank 0) and one
-metadata builder per backend. Per message (``distributed.messages``)::
+A worker holds what rank 0 holds of the target: its shard (``load_tp_target``), the paged KV
+cache of its own heads (``WorkerSpec.num_blocks`` blocks, the same block tables as rank 0) and
+the attention backend's metadata builder. It holds no EAGLE head and no draft cache: the head
+runs on rank 0 alone (distributed/head_tables.py). Per message (``distributed.messages``)::
 
     TARGET_FORWARD  target(input_ids, positions, kv_caches, build(common))   outputs dropped
     TARGET_LOGITS   target.compute_logits(hidden)                            (the gather)
-    HEAD_FORWARD    head(input_ids, positions, hidden, draft_kv_caches, build(common))
-    HEAD_LOGITS     head.compute_draft_logits(hidden)
+    TARGET_COMPACT  compact_kv_layers(...)        (a tree step's accepted path, this rank's KV)
     NOP             nothing (rank 0's keep-alive while it is idle)
 
 Outputs are dropped: rank 0 samples alone. The worker ignores SIGINT (Ctrl-C reaches the
@@ -33,11 +31,9 @@ class WorkerSpec:
     """Everything a worker needs to mirror rank 0, sent once at start (never per step)."""
 
     target: str
-    draft: str | None
     dtype: str  # "float32" | "bfloat16" | "float16"
     device: str  # "cpu" | "cuda"
     attention_backend: str
-    draft_attention_backend: str | None
     block_size: int
     num_blocks: int
     num_threads: int
@@ -46,11 +42,8 @@ class WorkerSpec:
 @dataclass
 class WorkerState:
     target: torch.nn.Module
-    head: torch.nn.Module | None
     kv_caches: list
-    draft_kv_caches: list
     builder: object
-    draft_builder: object | None
     device: torch.device
 
 
@@ -62,24 +55,16 @@ def worker_device(spec: WorkerSpec, local_rank: int) -> torch.device:
 
 
 def load_worker(spec: WorkerSpec, group: ParallelGroup, device: torch.device) -> WorkerState:
-    """This rank's shards, head and KV caches (no collectives: loading is local)."""
+    """This rank's shards and KV cache (no collectives: loading is local)."""
     from rocdraft.backends.kv_cache import allocate_kv_cache
     from rocdraft.backends.registry import get_backend
     from rocdraft.distributed.tp_model import load_tp_target
-    from rocdraft.models.draft_loader import load_draft
 
     dtype = msg.DTYPES[("float32", "bfloat16", "float16").index(spec.dtype)]
     backend = get_backend(spec.attention_backend)
     target = load_tp_target(spec.target, group, dtype, device, backend)
     caches = allocate_kv_cache(*_cache_shape(target, spec), dtype, device)
-    head, draft_caches, draft_builder = None, [], None
-    if spec.draft:
-        draft_backend = get_backend(spec.draft_attention_backend)
-        head = load_draft(spec.draft, target, dtype, device, draft_backend)
-        draft_caches = allocate_kv_cache(*_cache_shape(head, spec), dtype, device)
-        draft_builder = draft_backend.builder_cls(device)
-    return WorkerState(target, head, caches, draft_caches, backend.builder_cls(device),
-                       draft_builder, device)
+    return WorkerState(target, caches, backend.builder_cls(device), device)
 
 
 def _cache_shape(model, spec: WorkerSpec) -> tuple[int, int, int, int, int]:
@@ -115,20 +100,14 @@ def serve_ops(state: WorkerState, group: ParallelGroup) -> int:
 def _run(op: int, fields: list[int], ints, hidden, state: WorkerState) -> None:
     if op == msg.TARGET_LOGITS:
         state.target.compute_logits(hidden)
-    elif op == msg.HEAD_LOGITS:
-        state.head.compute_draft_logits(hidden)
     elif op == msg.TARGET_COMPACT:
         from rocdraft.backends.kv_compact import compact_kv_layers
 
         compact_kv_layers(state.kv_caches, *msg.decode_compact(fields, ints),
                           state.kv_caches[0].block_size)
-    elif op in msg.TOKEN_OPS:
+    elif op == msg.TARGET_FORWARD:
         input_ids, positions, common = msg.decode_tokens(fields, ints)
-        if op == msg.TARGET_FORWARD:
-            state.target(input_ids, positions, state.kv_caches, state.builder.build(common))
-        else:
-            state.head(input_ids, positions, hidden, state.draft_kv_caches,
-                       state.draft_builder.build(common))
+        state.target(input_ids, positions, state.kv_caches, state.builder.build(common))
     else:
         raise RuntimeError(f"tensor-parallel worker got unknown op code {op}")
 
