@@ -485,18 +485,27 @@ class LLMEngine:
         below = [b for b in self.step_costs if b <= bucket]
         return self.step_costs[max(below) if below else min(self.step_costs)]
 
-    def _ensure_step_costs(self, scheduler: Scheduler) -> None:
-        """Measure the step costs of each batch bucket (once per engine) up to the largest
-        batch this scheduler's queue can form, while no request holds KV blocks (the dummy
-        forwards may then write anywhere in the caches)."""
+    def measure_step_costs(self) -> None:
+        """Measure the cost policy's step costs of every batch bucket up to max_num_seqs now
+        (about 0.6 s for buckets 1-8 of the built-in pair on a CPU core), so that no request
+        pays for it: ``rocdraft serve`` calls it before it accepts requests. Otherwise each
+        bucket is measured when a batch first needs it. A no-op without the cost policy,
+        with given costs, or while requests hold KV blocks."""
+        if self.proposer is not None:
+            self._ensure_step_costs(self.scheduler, self.scheduler_config.max_num_seqs)
+
+    def _ensure_step_costs(self, scheduler: Scheduler, batch_size: int | None = None) -> None:
+        """Measure the step costs of each batch bucket (once per engine) up to
+        ``batch_size`` (default: the largest batch this scheduler's queue can form), while no
+        request holds KV blocks (the dummy forwards may then write anywhere in the caches)."""
         spec = self.config.speculative
         if spec.draft_policy != "cost" or self.given_step_costs is not None \
                 or (self.tree is not None and self.tree_gains is None) \
                 or scheduler.running \
                 or scheduler.allocator.num_free_blocks != self.scheduler_config.num_blocks:
             return
-        largest = batch_bucket(min(max(len(scheduler.waiting), 1),
-                                   self.scheduler_config.max_num_seqs))
+        wanted = len(scheduler.waiting) if batch_size is None else batch_size
+        largest = batch_bucket(min(max(wanted, 1), self.scheduler_config.max_num_seqs))
         missing = [1 << i for i in range(largest.bit_length()) if 1 << i not in self.step_costs]
         if not missing:
             return

@@ -265,6 +265,24 @@ def test_step_costs_are_measured_once_per_engine(cyclic_pair):
     assert fixed.step_costs == {}
 
 
+def test_measure_step_costs_up_front_covers_every_bucket(cyclic_pair):
+    """A server measures before it accepts requests (rocdraft serve), so no request's first
+    step pays for it; later batches find their bucket measured and add nothing."""
+    target, head, reference = cyclic_pair
+    llm = LLM(target, draft=head, speculative_config=SpeculativeConfig("eagle3", 2),
+              max_num_seqs=5)
+    llm.measure_step_costs()
+    assert sorted(llm.step_costs) == [1, 2, 4, 8]  # 8: the bucket of 5
+    measured = dict(llm.step_costs)
+    assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
+    assert llm.step_costs == measured
+    # No cost policy, given costs or no head: nothing to measure.
+    for other in (LLM(target, draft=head, speculative_config=SpeculativeConfig(
+                      "eagle3", 2, draft_costs=(1.0, 0.1, 0.0, 0.0, 0.1))), LLM(target)):
+        other.measure_step_costs()
+        assert getattr(other, "step_costs", {}) == {}
+
+
 def count_ops(fn):
     from torch.utils._python_dispatch import TorchDispatchMode
 

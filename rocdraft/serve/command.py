@@ -114,6 +114,7 @@ def run_serve(args) -> int:
     method = kwargs.pop("method")
     engine = LLMEngine(**kwargs)
     try:  # close() stops tensor-parallel workers, whatever ends the server
+        engine.measure_step_costs()  # the draft policy's costs, before any request waits
         settings = settings_from(args, engine)
         print(f"rocdraft serve: {settings.model_name} (method {method}) on "
               f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
