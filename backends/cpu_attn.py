@@ -167,12 +167,11 @@ def query_groups(query_lens: list[int], seq_lens: list[int]) -> list[list[int]] 
     return best
 
 
-def sub_batch(common: CommonAttentionMetadata, requests: list[int]
+def sub_batch(common: CommonAttentionMetadata, requests: list[int], qsl: list[int]
               ) -> tuple[torch.Tensor, CommonAttentionMetadata]:
     """The metadata of ``requests`` (indices into the batch, ascending) as a batch of their
-    own -> (their token indices [n] int64, its CommonAttentionMetadata). Host-side index
-    work on the host copies only."""
-    qsl = common.query_start_loc_cpu.tolist()
+    own -> (their token indices [n] int64, its CommonAttentionMetadata). qsl: the host copy
+    of query_start_loc as a list; host-side index work on the host copies only."""
     device = common.seq_lens.device
     tokens_cpu = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in requests])
     lens = [qsl[i + 1] - qsl[i] for i in requests]
@@ -207,7 +206,7 @@ class CpuAttnBuilder(MetadataBuilder):
                 write_slots, write_rows = _write_plan(common.slot_mapping)
                 empty = torch.empty(0, device=common.seq_lens.device)
                 planned = tuple((tokens, self._build_whole(sub)) for tokens, sub in
-                                (sub_batch(common, g) for g in groups))
+                                (sub_batch(common, g, qsl) for g in groups))
                 return CpuAttnMetadata(common, 0, 0, empty, empty.long(), write_slots,
                                        write_rows, None, groups=planned)
         return self._build_whole(common)

@@ -140,9 +140,8 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.builder = self.backend.builder_cls(device)
         self.head, self.draft_backend, self.proposer = None, None, None
-        self.tree_gains = None  # the dynamic tree's cost-based batch budget (_setup_drafter)
+        self.tree_acceptance = None  # the dynamic tree's cost-based budget (_setup_drafter)
         self.throughput_guard = None  # the cost policy's realized-throughput veto (idem)
-        self.tree_budget: int | None = None  # the batch budget of the trees drafted last
         self.aux_layer_ids: tuple[int, ...] = ()  # target layers whose inputs EAGLE-3 reads
         self.draft_graph_refusal: str | None = "no speculative decoding"
         k = spec.num_speculative_tokens if spec else 0
@@ -234,7 +233,7 @@ class LLMEngine:
             and spec.draft_costs is None and self.tree is None else None
         # A dynamic tree under the cost policy without a fixed budget: the batch budget of
         # each step comes from the step costs and measured acceptance (rocdraft/tree_budget.py).
-        self.tree_gains = TreeAcceptanceEstimate(self.tree.num_nodes) \
+        self.tree_acceptance = TreeAcceptanceEstimate(self.tree.num_nodes) \
             if isinstance(self.tree, DynamicTree) and spec.draft_policy == "cost" \
             and spec.max_draft_tokens_per_step is None else None
         num_layers, num_kv_heads, head_dim = self.head.kv_cache_spec()
@@ -404,7 +403,8 @@ class LLMEngine:
         drafts, num_drafts = None, 0
         if self.proposer is not None:
             num_drafts = self._choose_num_drafts(scheduled)
-        if num_drafts or (self.proposer is not None and self._has_prefill(scheduled)):
+        has_prefill = self._has_prefill(scheduled)
+        if num_drafts or (self.proposer is not None and has_prefill):
             hidden = out.aux_hidden_states if self.aux_layer_ids else out.hidden_states
             if self.tree is not None:
                 drafts, tree_scores = self._propose_tree(batch, sampled, hidden, verified_tree)
@@ -415,16 +415,18 @@ class LLMEngine:
         drafts_cpu = drafts.tolist() if drafts is not None else None
         if self.tree is not None and drafts_cpu is not None:  # (tokens, parents, scores)
             width = self.tree.num_nodes
-            scores_cpu = tree_scores.tolist() if tree_scores is not None \
+            # Node scores feed only the cost-based tree budget.
+            scores_cpu = tree_scores.tolist() \
+                if tree_scores is not None and self.tree_acceptance is not None \
                 else [[]] * len(drafts_cpu)
             drafts_cpu = [(row[:int(row[-1])], row[width:width + int(row[-1])],
                            scores[:int(row[-1])]) for row, scores in zip(drafts_cpu, scores_cpu)]
         paths = verified_tree.accepted_nodes.tolist() \
-            if verified_tree is not None and self.tree_gains is not None else None
+            if verified_tree is not None and self.tree_acceptance is not None else None
         advanced = self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu,
                                          stats, num_drafts, paths)
         t5 = self._clock()
-        if self.throughput_guard is not None and not self._has_prefill(scheduled):
+        if self.throughput_guard is not None and not has_prefill:
             verified = any(s.num_draft_tokens for s in scheduled)
             drafted = drafts is not None and num_drafts > 0
             if verified == drafted:  # a pure step of one mode: a sample
@@ -500,7 +502,7 @@ class LLMEngine:
         request holds KV blocks (the dummy forwards may then write anywhere in the caches)."""
         spec = self.config.speculative
         if spec.draft_policy != "cost" or self.given_step_costs is not None \
-                or (self.tree is not None and self.tree_gains is None) \
+                or (self.tree is not None and self.tree_acceptance is None) \
                 or scheduler.running \
                 or scheduler.allocator.num_free_blocks != self.scheduler_config.num_blocks:
             return
@@ -519,7 +521,7 @@ class LLMEngine:
         return EngineParts(self.target, self.builder, self.kv_caches, self.aux_layer_ids,
                            self.proposer, self.draft_kv_caches, self.scheduler_config,
                            self.max_model_len, self.config.speculative.num_speculative_tokens,
-                           self.device, self.tree if self.tree_gains is not None else None)
+                           self.device, self.tree if self.tree_acceptance is not None else None)
 
     def _propose(self, batch: StepBatch, sampled: torch.Tensor, hidden,
                  num_drafts: int | None = None) -> torch.Tensor:
@@ -542,8 +544,8 @@ class LLMEngine:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
         args, _ = self._head_inputs(batch, sampled, hidden)
         budget = self.config.speculative.max_draft_tokens_per_step
-        if self.tree_gains is not None:
-            budget = self.tree_budget = self._tree_budget(batch.common.num_reqs)
+        if self.tree_acceptance is not None:
+            budget = self._tree_budget(batch.common.num_reqs)
         trees = self.proposer.propose_tree(*args, budget)
         packed = torch.cat([trees.tokens, trees.parents, trees.num_nodes.view(-1, 1)], dim=1)
         return packed, trees.scores
@@ -553,7 +555,7 @@ class LLMEngine:
         or None (the full tree) when it would not cut, before the first full trees were
         seen, without measured costs, and every EXPLORE_EVERY-th step (exploration)."""
         self.policy_steps += 1
-        costs, accepted = self._costs_for(batch_size), self.tree_gains.accepted
+        costs, accepted = self._costs_for(batch_size), self.tree_acceptance.accepted
         if costs is None or accepted is None or self.policy_steps % EXPLORE_EVERY == 0:
             return None
         n = choose_nodes_per_request(accepted, costs, batch_size, self.tree)
@@ -619,7 +621,7 @@ class LLMEngine:
                 req.num_accepted_drafts += num_accepted
                 verified.append(item.num_draft_tokens)
                 accepted.append(num_accepted)
-                if req.spec_scores and self.tree_gains is not None:
+                if req.spec_scores:  # stored only for the cost-based tree budget
                     tree_rows.append((req.spec_scores[:item.num_draft_tokens],
                                       accepted_nodes[row][:num_accepted]))
             scheduler.update_after_step(item, num_accepted)
@@ -639,7 +641,7 @@ class LLMEngine:
         if verified and self.tree is None:
             self.acceptance.update(verified, accepted)
         if tree_rows:
-            self.tree_gains.observe(tree_rows)
+            self.tree_acceptance.observe(tree_rows)
         return advanced
 
 

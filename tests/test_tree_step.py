@@ -239,10 +239,10 @@ def test_cost_policy_budgets_dynamic_trees_from_costs_and_measured_acceptance(pa
     for name, costs in (("dear", (1.0, 5.0, 0.0, 0.0, 0.1)), ("cheap", (1.0, 1e-4, 0, 0, 1e-4))):
         spec = SpeculativeConfig("eagle3", **TREES["dynamic"], draft_costs=costs)
         llm = LLM(pair["target"], draft=pair["eagle3"], speculative_config=spec)
-        assert llm.tree_gains is not None
+        assert llm.tree_acceptance is not None
         budgets = _recorded_budgets(llm)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-        assert budgets[0][1] is None and llm.tree_gains.accepted is not None  # full first
+        assert budgets[0][1] is None and llm.tree_acceptance.accepted is not None  # full first
         chosen[name] = budgets[1:]
         assert llm.last_stats.acceptance_length > 1.2
     cut = [(b, n) for b, n in chosen["dear"] if n is not None]
@@ -260,4 +260,4 @@ def test_tree_step_costs_are_measured_per_bucket(pair, reference):
     for extra in (dict(max_draft_tokens_per_step=8), dict(draft_policy="fixed")):
         other = LLM(pair["target"], draft=pair["eagle3"],
                     speculative_config=SpeculativeConfig("eagle3", **TREES["dynamic"], **extra))
-        assert other.tree_gains is None
+        assert other.tree_acceptance is None

@@ -17,15 +17,13 @@ import torch
 from rocdraft.distributed import messages as msg
 
 
-class _Proxy:
+class TargetProxy:
     def __init__(self, module: torch.nn.Module, executor) -> None:
         self.module, self.executor = module, executor
 
     def __getattr__(self, name: str):
         return getattr(self.module, name)
 
-
-class TargetProxy(_Proxy):
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                  attn_metadata, aux_layer_ids: tuple[int, ...] = ()):
         """As ``LlamaForCausalLM.forward`` (input_ids [num_tokens], positions [num_tokens])."""
