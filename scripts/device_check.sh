@@ -73,10 +73,10 @@ sys.exit(1 if missing else 0)"
 
 # 2. Install without an index.
 if ls wheels/*.whl >/dev/null 2>&1; then
-    step install_wheels 40 python -m pip install --no-index --no-deps --find-links wheels \
+    step install_wheels 15 python -m pip install --no-index --no-deps --find-links wheels \
         wheels/*.whl
 fi
-step install 40 python -m pip install --no-build-isolation --no-deps -e .
+step install 30 python -m pip install --no-build-isolation --no-deps -e .
 step backends 20 rocdraft backends
 
 # 3. GPU tests and benchmarks, extension off (no JIT build yet).
@@ -84,10 +84,14 @@ export ROCDRAFT_HIP_KERNELS=0
 step gpu_tests 150 python -m pytest -q -m gpu tests -p no:cacheprovider
 step triton_tests 60 python -m pytest -q -p no:cacheprovider tests/test_triton_kv_write.py \
     tests/test_triton_unified_attention.py tests/test_triton_draft_step.py
-step bench_kv_write 25 python scripts/bench_kv_write.py --device cuda --json
-step bench_attention 25 python scripts/bench_attention.py --device cuda --json
+step bench_kv_write 20 python scripts/bench_kv_write.py --device cuda --json
+step bench_attention 20 python scripts/bench_attention.py --device cuda --json
 step bench_draft_loop 35 python scripts/bench_draft_loop.py --device cuda --json
 step bench_drafter 25 python scripts/bench_drafter.py --json
+# The engine end to end on this GPU (built-in pair, bf16): target-only, chain and dynamic tree,
+# with transformers generate and prompt lookup on the same target as the peer.
+step bench_engine 45 rocdraft bench --device cuda --compare chain,dynamic --compare-hf \
+    --repeat 1 --kv-cache-memory 2GiB --max-num-seqs 8 --max-model-len 1024 --json
 
 # 4. Slow part last: the HIP/CUDA extension (JIT build for this GPU's arch) and its tests.
 export ROCDRAFT_HIP_KERNELS=1
