@@ -56,7 +56,11 @@ def _walk(root: Path) -> List[Path]:
 
 def is_heldout(path: Path, root: Optional[Path] = None) -> bool:
     root = root or stdlib_root()
-    rel = Path(path).resolve().relative_to(root)
+    path = Path(path)
+    # A file found under the root keeps its place there even when it is a link out of the
+    # root (Debian's /usr/lib/python3.X/sitecustomize.py -> /etc/python3.X/): resolve only
+    # paths that are not already under the root as given.
+    rel = path.relative_to(root) if path.is_relative_to(root) else path.resolve().relative_to(root)
     return len(rel.parts) == 1 and rel.name[:1].lower() in HELDOUT_FIRST_LETTERS
 
 

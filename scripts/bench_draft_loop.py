@@ -38,9 +38,10 @@ def build(device: str, hidden: int, k: int, backend_name: str, max_num_seqs: int
         "num_key_value_heads": max(heads // 4, 1), "head_dim": hidden // heads,
         "vocab_size": 32000, "draft_vocab_size": 8192, "rms_norm_eps": 1e-5})
     backend = registry.get_backend(backend_name)
-    embed = torch.nn.Embedding(32000, hidden, device=device)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    embed = torch.nn.Embedding(32000, hidden, device=device, dtype=dtype)  # the target's dtype
     head = Eagle3Head(config, backend, embed, target_hidden_size=hidden, has_vocab_map=False,
-                      dtype=torch.float32 if device == "cpu" else torch.bfloat16, device=device)
+                      dtype=dtype, device=device)
     max_model_len, block_size = 2048, 16
     proposer = EagleProposer(head, backend, k, max_num_tokens=max_num_seqs * (k + 1),
                              max_num_seqs=max_num_seqs, max_model_len=max_model_len,

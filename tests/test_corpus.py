@@ -24,3 +24,16 @@ def test_prompts_end_with_a_header_and_respect_the_budget():
         assert header.startswith(("def ", "class ", "async def ")) and header.endswith(":")
         assert len(prompt.split()) <= 60 or len(prompt.splitlines()) == 1
     assert heldout_prompts(n=8, prompt_tokens=60, seed=3, tokenizer=lambda s: s.split()) == prompts
+
+
+def test_a_link_out_of_the_root_is_classified_by_its_place_in_the_root(tmp_path):
+    # Debian links /usr/lib/python3.X/sitecustomize.py to /etc/python3.X/sitecustomize.py;
+    # resolving it first left the stdlib root ("is not in the subpath") and broke the bench.
+    root, outside = tmp_path / "lib", tmp_path / "etc"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "sitecustomize.py").write_text("x = 1\n")
+    (root / "sitecustomize.py").symlink_to(outside / "sitecustomize.py")
+    (root / "abc.py").write_text("y = 2\n")
+    assert is_heldout(root / "sitecustomize.py", root)
+    assert not is_heldout(root / "abc.py", root)

@@ -60,9 +60,10 @@ def test_matches_reference_on_random_batches(data):
 def test_batch_wider_than_one_program_and_taller_block_table():
     batch_size = BLOCK_ROWS + 5
     g = torch.Generator().manual_seed(0)
-    block_table = torch.randint(0, 50, (batch_size + 3, 4), generator=g, dtype=torch.int32)
-    positions = torch.randint(0, 20, (batch_size,), generator=g)
-    seq_lens = torch.randint(1, 20, (batch_size,), generator=g, dtype=torch.int32)
+    block_table = torch.randint(0, 50, (batch_size + 3, 4), generator=g,
+                                dtype=torch.int32).to(DEVICE)
+    positions = torch.randint(0, 20, (batch_size,), generator=g).to(DEVICE)
+    seq_lens = torch.randint(1, 20, (batch_size,), generator=g, dtype=torch.int32).to(DEVICE)
     ref = advance_draft_step(positions, seq_lens, block_table[:batch_size], 4, 16)
     _, got = _run_both(positions, seq_lens, block_table, 4, 16)
     _assert_equal(ref, got)

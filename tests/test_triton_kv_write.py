@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from device_helpers import require_fp8_cache_here
 from rocdraft.backends.kv_cache import (FP8_DTYPES, NHD, SPLIT_K, LayerKVCache,
                                         allocate_kv_cache, write_kv_reference)
 from rocdraft.backends.triton_kernels.kv_write import write_kv_triton
@@ -60,6 +61,7 @@ CASES = [(layout, dtype, mode)
 
 @pytest.mark.parametrize("layout,dtype,scale_mode", CASES)
 def test_bit_exact_with_reference(layout, dtype, scale_mode):
+    require_fp8_cache_here(dtype)
     ref_cache, tri_cache = _cache_pair(layout, dtype, scale_mode)
     qkv = _wide_range_qkv(9, torch.float32, seed=2)
     key, value = qkv[:, NUM_KV_HEADS:2 * NUM_KV_HEADS], qkv[:, 2 * NUM_KV_HEADS:]  # strided
@@ -96,6 +98,7 @@ def _midpoints(dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, *FP8_DTYPES])
 def test_round_half_to_even_like_torch(dtype):
+    require_fp8_cache_here(dtype)
     ties = _midpoints(dtype)
     per_token = NUM_KV_HEADS * HEAD_DIM
     num_tokens = -(-ties.numel() // per_token)
@@ -112,6 +115,7 @@ def test_round_half_to_even_like_torch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPES[1]])
 def test_many_tokens_span_several_programs(dtype):
+    require_fp8_cache_here(dtype)
     num_tokens, num_blocks = 150, 12  # 150 of 192 slots, shuffled, some padding
     caches = [allocate_kv_cache(1, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype,
                                 DEVICE)[0] for _ in range(2)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from device_helpers import require_fp8_cache_here
 from rocdraft.backends.kv_cache import (FP8_DTYPES, SPLIT_K, allocate_kv_cache,
                                         write_kv_reference)
 from rocdraft.backends.metadata import CommonAttentionMetadata
@@ -108,6 +109,7 @@ def test_long_prefill(tiling):
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("per_head", [False, True])
 def test_fp8_cache(cache_dtype, per_head):
+    require_fp8_cache_here(cache_dtype)
     query, cache, common = make_batch([1, 4, 2], [6, 0, 19], dtype=torch.bfloat16,
                                       cache_dtype=cache_dtype, seed=2)
     if per_head:
@@ -177,6 +179,7 @@ def test_per_request_spec_masks(heads, tiling):
 
 @pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 def test_per_request_spec_masks_with_fp8_cache(cache_dtype):
+    require_fp8_cache_here(cache_dtype)
     query, cache, common = make_batch(TREE_QUERY_LENS, TREE_CONTEXT_LENS,
                                       dtype=torch.bfloat16, cache_dtype=cache_dtype, seed=9)
     masks = _random_tree_masks(len(TREE_QUERY_LENS), 6, seed=9).to(DEVICE)
