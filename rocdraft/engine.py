@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from rocdraft import envs
 from rocdraft.backends import registry
@@ -52,6 +53,7 @@ from rocdraft.scheduler import Scheduler, ScheduledRequest
 from rocdraft.step_batch import StepBatch, build_step_batch
 from rocdraft.step_costs import EngineParts, measure_step_costs
 from rocdraft.throughput_guard import ThroughputGuard
+from rocdraft.draft_shape import DraftShapeChooser
 from rocdraft.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
 from rocdraft.tree_step import compact_target_kv, head_inputs_after_tree, verify_tree_step
 
@@ -142,6 +144,8 @@ class LLMEngine:
         self.head, self.draft_backend, self.proposer = None, None, None
         self.tree_acceptance = None  # the dynamic tree's cost-based budget (_setup_drafter)
         self.throughput_guard = None  # the cost policy's realized-throughput veto (idem)
+        self.shape_chooser = None  # a tree config's tree-or-chain choice per bucket (idem)
+        self.drafted_shape: str | None = None  # what the last step drafted: "tree" | "chain"
         self.aux_layer_ids: tuple[int, ...] = ()  # target layers whose inputs EAGLE-3 reads
         self.draft_graph_refusal: str | None = "no speculative decoding"
         k = spec.num_speculative_tokens if spec else 0
@@ -236,6 +240,10 @@ class LLMEngine:
         self.tree_acceptance = TreeAcceptanceEstimate(self.tree.num_nodes) \
             if isinstance(self.tree, DynamicTree) and spec.draft_policy == "cost" \
             and spec.max_draft_tokens_per_step is None else None
+        # A tree config under the cost policy drafts, per batch bucket, the tree or a chain of
+        # min(k, depth), whichever measured faster (rocdraft/draft_shape.py).
+        self.shape_chooser = DraftShapeChooser() if self.tree is not None \
+            and spec.draft_policy == "cost" and spec.draft_costs is None else None
         num_layers, num_kv_heads, head_dim = self.head.kv_cache_spec()
         self.draft_kv_caches = allocate_kv_cache(num_layers, num_blocks, block_size,
                                                  num_kv_heads, head_dim, self.torch_dtype,
@@ -404,10 +412,14 @@ class LLMEngine:
         if self.proposer is not None:
             num_drafts = self._choose_num_drafts(scheduled)
         has_prefill = self._has_prefill(scheduled)
+        shape = None
         if num_drafts or (self.proposer is not None and has_prefill):
             hidden = out.aux_hidden_states if self.aux_layer_ids else out.hidden_states
             if self.tree is not None:
-                drafts, tree_scores = self._propose_tree(batch, sampled, hidden, verified_tree)
+                shape = self.shape_chooser.decide(len(scheduled)) \
+                    if self.shape_chooser is not None else "tree"
+                drafts, tree_scores = self._propose_tree(batch, sampled, hidden, verified_tree,
+                                                         shape)
             else:
                 drafts = self._propose(batch, sampled, hidden, max(num_drafts, 1))
         t4 = self._clock()
@@ -432,6 +444,12 @@ class LLMEngine:
             if verified == drafted:  # a pure step of one mode: a sample
                 self.throughput_guard.record(len(scheduled), "spec" if drafted else "plain",
                                              sum(len(t) for _, t in advanced), t5 - t0)
+        if self.shape_chooser is not None:
+            if not has_prefill and shape is not None and shape == self.drafted_shape \
+                    and any(s.num_draft_tokens for s in scheduled):  # a pure step of one shape
+                self.shape_chooser.record(len(scheduled), shape,
+                                          sum(len(t) for _, t in advanced), t5 - t0)
+            self.drafted_shape = shape
         stats.num_steps += 1
         stats.time_s["bookkeeping"] += (t1 - t0) + (t5 - t4)
         stats.time_s["target_verify"] += t2 - t1
@@ -534,21 +552,37 @@ class LLMEngine:
         return self.proposer.propose(*args, num_rejected=rejected, num_drafts=num_drafts)
 
     def _propose_tree(self, batch: StepBatch, sampled: torch.Tensor, hidden,
-                      verified_tree) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      verified_tree, shape: str = "tree"
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft each row's next tree -> ([B, 2N + 1] int64: tokens, parents, node count;
         the nodes' scores [B, N] float32 for dynamic trees, else None). After a tree step
         the batch is first reordered root + accepted path first, which makes the head's
         first forward the chain's (padded, or unpadded on the host). The batch budget: the
-        configured one, or under the cost policy ``_tree_budget``'s."""
+        configured one, or under the cost policy ``_tree_budget``'s. shape "chain": a chain
+        of min(k, depth) drafts in the tree format (parents -1, 0, 1, ...; no scores)."""
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
-        args, _ = self._head_inputs(batch, sampled, hidden)
+        args, rejected = self._head_inputs(batch, sampled, hidden)
+        if shape == "chain":
+            return self._chain_as_tree(self.proposer.propose(
+                *args, num_rejected=rejected,
+                num_drafts=min(self.config.speculative.num_speculative_tokens,
+                               self.tree.depth))), None
         budget = self.config.speculative.max_draft_tokens_per_step
         if self.tree_acceptance is not None:
             budget = self._tree_budget(batch.common.num_reqs)
         trees = self.proposer.propose_tree(*args, budget)
         packed = torch.cat([trees.tokens, trees.parents, trees.num_nodes.view(-1, 1)], dim=1)
         return packed, trees.scores
+
+    def _chain_as_tree(self, chain: torch.Tensor) -> torch.Tensor:
+        """Chain drafts [B, k] -> the packed tree rows [B, 2N + 1] of ``_propose_tree``."""
+        batch_size, k = chain.shape
+        pad = self.tree.num_nodes - k
+        parents = torch.arange(-1, k - 1, device=chain.device).expand(batch_size, k)
+        return torch.cat([F.pad(chain, (0, pad)), F.pad(parents, (0, pad), value=-1),
+                          torch.full((batch_size, 1), k, dtype=torch.long,
+                                     device=chain.device)], dim=1)
 
     def _tree_budget(self, batch_size: int) -> int | None:
         """The batch node budget of the trees drafted now (rocdraft/tree_budget.py): B * n*,

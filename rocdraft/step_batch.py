@@ -83,9 +83,12 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     common = CommonAttentionMetadata.from_cpu(qsl, seq_lens, block_table,
                                               torch.tensor(slots, dtype=torch.long), device)
     draft_parents = None
-    if is_tree:
+    if is_tree and not all(p == list(range(-1, len(p) - 1)) for p in tree_parents):
+        # A chain's tree mask is the causal one (rocdraft/draft_shape.py drafts chains in
+        # tree mode): only a branching tree needs it.
         common = common.with_updates(spec_mask=host_to_device(
             verify_tree_mask(tree_parents, max_drafts + 1), device))
+    if is_tree:
         draft_parents = host_to_device(torch.tensor(
             [p + [-1] * (max_drafts - len(p)) for p in tree_parents],
             dtype=torch.long).view(len(scheduled), max_drafts), device)
