@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rocdraft.draft_policy import batch_bucket
+from rocdraft.throughput_guard import average_rate
 
 SHAPES = ("tree", "chain")
 SAMPLE_WEIGHT = 0.2
@@ -80,9 +81,4 @@ class DraftShapeChooser:
         """One pure step of ``shape`` that emitted ``num_tokens`` in ``seconds``."""
         if shape not in SHAPES:
             raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
-        if seconds <= 0 or num_tokens <= 0:
-            return
-        rates = self._bucket(batch_size).rates
-        rate = num_tokens / seconds
-        rates[shape] = rate if shape not in rates \
-            else (1 - SAMPLE_WEIGHT) * rates[shape] + SAMPLE_WEIGHT * rate
+        average_rate(self._bucket(batch_size).rates, shape, num_tokens, seconds, SAMPLE_WEIGHT)

@@ -75,9 +75,15 @@ class ThroughputGuard:
         """One pure step of ``mode`` ("plain" | "spec") that emitted ``num_tokens``."""
         if mode not in ("plain", "spec"):
             raise ValueError(f"mode must be 'plain' or 'spec', got {mode!r}")
-        if seconds <= 0 or num_tokens <= 0:
-            return
-        rates = self._bucket(batch_size).rates
-        rate = num_tokens / seconds
-        rates[mode] = rate if mode not in rates \
-            else (1 - SAMPLE_WEIGHT) * rates[mode] + SAMPLE_WEIGHT * rate
+        average_rate(self._bucket(batch_size).rates, mode, num_tokens, seconds)
+
+
+def average_rate(rates: dict, key: str, num_tokens: int, seconds: float,
+                 weight: float = SAMPLE_WEIGHT) -> None:
+    """Fold one step's ``num_tokens / seconds`` into ``rates[key]``: the sample itself when
+    it is the first, else the exponential average with ``weight`` for the newest. A step that
+    emitted nothing or took no time is no sample."""
+    if seconds <= 0 or num_tokens <= 0:
+        return
+    rate = num_tokens / seconds
+    rates[key] = rate if key not in rates else (1 - weight) * rates[key] + weight * rate
