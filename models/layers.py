@@ -148,8 +148,9 @@ class MlpWeights(NamedTuple):
 
 def gated_mlp_forward(w: MlpWeights, x: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, hidden_size] -> [num_tokens, hidden_size]: down(silu(gate) * up)."""
-    gate, up = wide_linear(x, *w.gate_up).split(w.intermediate_size, dim=-1)
-    return apply_linear(F.silu(gate).mul_(up), w.down)
+    gate_up = wide_linear(x, *w.gate_up)  # [num_tokens, 2 * intermediate]
+    size = w.intermediate_size  # two slices: Tensor.split runs Python in torch/_tensor.py
+    return apply_linear(F.silu(gate_up[..., :size]).mul_(gate_up[..., size:]), w.down)
 
 
 class AttentionWeights(NamedTuple):

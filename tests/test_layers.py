@@ -53,3 +53,14 @@ def test_project_pads_a_plain_linear_and_calls_any_other_module(recorded_rows):
             return x * 2
 
     assert torch.equal(layers.project(Gathered(), x), x * 2)
+
+
+@pytest.mark.parametrize("num_rows", [1, 12])
+def test_gated_mlp_is_down_of_silu_gate_times_up(num_rows):
+    """The fused gate/up output is cut in two slices: gate first, then up."""
+    torch.manual_seed(0)
+    mlp = layers.GatedMLP(layers.PAD_MIN_OUT_FEATURES // 4, 24)
+    x = torch.randn(num_rows, mlp.gate_proj.in_features)
+    with torch.no_grad():
+        want = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        torch.testing.assert_close(mlp(x), want, rtol=1e-6, atol=1e-6)

@@ -150,3 +150,56 @@ def test_mrope_target_toy(attention_backend):
         torch.testing.assert_close(run(torch.arange(6).expand(3, -1)), plain)
         grid = torch.stack([torch.arange(6), torch.arange(6) // 2, torch.arange(6) % 2])
         assert not torch.allclose(run(grid), plain)
+
+
+def _assert_tables_equal(got, want):
+    assert got.cos.shape == want.cos.shape and got.cos.dtype == want.cos.dtype
+    assert torch.equal(got.cos, want.cos) and torch.equal(got.sin_signed, want.sin_signed)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("rope", [ROPES["llama3"], ROPES["linear"]], ids=["llama3", "linear"])
+def test_step_tables_are_lookups_that_grow_bit_for_bit(dtype, rope):
+    """Step tables are rows of a precomputed table, equal to a fresh computation bit for bit,
+    also past the table's first length (it grows) and for any head_dim."""
+    for head_dim in (8, 12, 64):
+        ours = RotaryEmbedding(head_dim, rope["rope_theta"],
+                               {k: v for k, v in rope.items() if k != "rope_theta"})
+        for positions in (torch.tensor([0]), torch.tensor([3, 200, 255]), torch.tensor([256]),
+                          torch.tensor([7, 4999, 12]), torch.arange(33) * 97):
+            _assert_tables_equal(ours.tables(positions, dtype),
+                                 ours._fresh_tables(positions, dtype))
+        assert ours._tables[dtype].cos.shape[0] == 8192  # grown to a power of two
+
+
+def test_step_tables_follow_inv_freq_and_odd_positions():
+    rope = RotaryEmbedding(16, 1e4, None, max_positions=1000)
+    positions = torch.tensor([5, 999])
+    rope.tables(positions, torch.float32)
+    assert rope._tables[torch.float32].cos.shape[0] == 1000  # max_positions reserved
+    rope.to(torch.float64)  # a new inv_freq buffer: the tables are rebuilt from it
+    _assert_tables_equal(rope.tables(positions, torch.float32),
+                         rope._fresh_tables(positions, torch.float32))
+    assert rope._tables_of is rope.inv_freq
+    rope.inv_freq.mul_(2)  # in place (as reset_inv_freq after a meta load): reset drops them
+    rope.reset_inv_freq()
+    assert not rope._tables
+    negative = torch.tensor([-1, 3])  # no table row: computed fresh, as before
+    _assert_tables_equal(rope.tables(negative, torch.float32),
+                         rope._fresh_tables(negative, torch.float32))
+    empty = rope.tables(torch.zeros(0, dtype=torch.long), torch.float32)
+    assert empty.cos.shape == (0, 1, 16)
+
+
+@pytest.mark.parametrize("head_dim, section", [(16, [2, 3, 3]), (128, [16, 24, 24])])
+def test_mrope_step_tables_are_lookups_bit_for_bit(head_dim, section):
+    rope = RotaryEmbedding(head_dim, 1e6, {"rope_type": "mrope", "mrope_section": section})
+    g = torch.Generator().manual_seed(3)
+    for positions in (torch.randint(0, 300, (3, 9), generator=g), torch.tensor([[4], [9], [600]]),
+                      torch.arange(5).expand(3, -1), torch.arange(5)):
+        _assert_tables_equal(rope.tables(positions, torch.bfloat16),
+                             rope._fresh_tables(positions, torch.bfloat16))
+    head = RotaryEmbedding(head_dim, 1e6, None, first_row_of_mrope=True)
+    rows = torch.randint(0, 300, (3, 4), generator=g)
+    _assert_tables_equal(head.tables(rows, torch.float32),
+                         head._fresh_tables(rows[0], torch.float32))
