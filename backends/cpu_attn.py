@@ -10,11 +10,14 @@ What differs is where the work happens:
 - ``CpuAttnBuilder.build`` runs ONCE per step (FlashInfer's plan/run split) and computes
   everything that is the same for every layer: the additive mask ``[batch_size, 1,
   max_query_len, max_seq_len]`` (0 / -inf; causal, lengths, spec_mask), the KV-write
-  targets with padding rows redirected (sync-free, as ``write_kv_reference``), and for
-  ragged batches the token -> padded-query row map; the block ids to gather and the mask
+  targets with padding rows redirected (sync-free, as ``write_kv_reference``; skipped when
+  the host slot mapping has no padding slot, ``_write_targets``), and for ragged batches the
+  token -> padded-query row map; the block ids to gather and the mask
   padded to whole blocks need the cache's block size, so the first layer derives them
   (``block_plan``) and the others reuse them;
-- ``CpuAttnImpl.forward`` runs per layer: 3 ops per K/V write (float caches), one
+- ``build_for_draft_steps`` plans every single-token step of one draft loop at once (one
+  mask for all steps, the block plan included), instead of once per step;
+- ``CpuAttnImpl.forward`` runs per layer: 1 op per K/V write (3 with padding slots), one
   ``index_select`` of whole blocks per K and V (rows of ``block_size * Hk * head_dim``
   elements instead of one row per key, and no per-layer index arithmetic), one SDPA.
   A uniform batch (every request has ``max_query_len`` tokens: all decodes, all
@@ -88,7 +91,9 @@ class CpuAttnMetadata:
     mask: torch.Tensor  # [batch_size, 1, num_query_rows, num_keys] float32, 0 or -inf
     block_ids: torch.Tensor  # [batch_size, max_blocks_per_seq] int64, padding -> 0
     write_slots: torch.Tensor  # [num_tokens] int64: slot, padding -> the anchor's slot
-    write_rows: torch.Tensor  # [num_tokens] int64 into cat(rows, slot 0): padding -> anchor
+    # [num_tokens] int64 into cat(rows, slot 0): padding -> anchor; None when no slot is
+    # padding (write_slots is then the slot mapping: one index_copy_ per tensor).
+    write_rows: torch.Tensor | None
     # Ragged batches only (None when every request has num_query_rows tokens and there is
     # no padding token): padded row of each token, batch_size * num_query_rows = scratch.
     query_rows: torch.Tensor | None  # [num_tokens] int64
@@ -136,6 +141,24 @@ def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     anchor_row = torch.where(any_valid, anchor, num_tokens)
     rows = torch.arange(num_tokens, device=slots.device)
     return torch.where(valid, slots, anchor_slot), torch.where(valid, rows, anchor_row)
+
+
+def _write_targets(slot_mapping: torch.Tensor, no_padding: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(write_slots, write_rows) for slot_mapping [num_tokens]: ``_write_plan``'s redirect,
+    or (slot_mapping as int64, None) when the caller knows on the host that no slot is
+    padding (``no_padding``): nothing to redirect, one index_copy_ per tensor. Reads nothing.
+    """
+    if no_padding:
+        return slot_mapping.long(), None
+    return _write_plan(slot_mapping)
+
+
+def _no_padding_flag(common: CommonAttentionMetadata) -> bool:
+    """The host flag "no slot of this batch is padding" (``no_padding_slots``, set where the
+    metadata is built from host lists; False: plan the redirect). Never reads a tensor: the
+    drafting paths must not touch the host."""
+    return common.no_padding_slots
 
 
 # Split a ragged batch when the two groups' padded attention work is at most this share of
@@ -197,22 +220,25 @@ class CpuAttnBuilder(MetadataBuilder):
         Only a batch whose padding would at least double its query rows (a ragged one: never
         decodes, verifies or draft steps) reads the metadata's host copies of the lengths,
         to choose a split (``query_groups``)."""
+        no_padding = _no_padding_flag(common)
         padded_rows = common.num_reqs * common.max_query_len
         if common.num_reqs > 1 and padded_rows >= 2 * common.num_actual_tokens:
             qsl = common.query_start_loc_cpu.tolist()
             groups = query_groups([b - a for a, b in zip(qsl, qsl[1:])],
                                   common.seq_lens_cpu.tolist())
             if groups is not None:
-                write_slots, write_rows = _write_plan(common.slot_mapping)
+                write_slots, write_rows = _write_targets(common.slot_mapping, no_padding)
                 empty = torch.empty(0, device=common.seq_lens.device)
-                planned = tuple((tokens, self._build_whole(sub)) for tokens, sub in
+                planned = tuple((tokens, self._build_whole(sub, no_padding)) for tokens, sub in
                                 (sub_batch(common, g, qsl) for g in groups))
                 return CpuAttnMetadata(common, 0, 0, empty, empty.long(), write_slots,
                                        write_rows, None, groups=planned)
-        return self._build_whole(common)
+        return self._build_whole(common, no_padding)
 
-    def _build_whole(self, common: CommonAttentionMetadata) -> CpuAttnMetadata:
-        """The plan of the batch as one padded [batch_size, max_query_len] block."""
+    def _build_whole(self, common: CommonAttentionMetadata, no_padding: bool
+                     ) -> CpuAttnMetadata:
+        """The plan of the batch as one padded [batch_size, max_query_len] block;
+        no_padding: the host knows no slot is padding (``_write_targets``)."""
         num_tokens = common.slot_mapping.shape[0]
         batch_size = common.num_reqs
         num_rows, num_keys = max(common.max_query_len, 1), max(common.max_seq_len, 1)
@@ -238,7 +264,7 @@ class CpuAttnBuilder(MetadataBuilder):
         # A row that sees nothing (padding) sees key 0 instead: finite, and never read.
         visible = visible | ((key_pos == 0) & ~visible.any(-1, keepdim=True))
         mask = torch.where(visible, 0.0, float("-inf"))  # float32
-        write_slots, write_rows = _write_plan(common.slot_mapping)
+        write_slots, write_rows = _write_targets(common.slot_mapping, no_padding)
         return CpuAttnMetadata(common, num_rows, num_keys, mask.unsqueeze(1),
                                common.block_table.long().clamp(min=0), write_slots, write_rows,
                                query_rows)
@@ -249,23 +275,63 @@ class CpuAttnBuilder(MetadataBuilder):
         0..seq_lens[i]-1 (causal or not), always including key 0 (the draft-loop runner's
         padding rows have seq_len 1), so the mask is one comparison. Other shapes and tree
         masks take ``build``."""
-        num_tokens = common.slot_mapping.shape[0]
-        if not (common.max_query_len == 1 and common.num_reqs == num_tokens
-                and common.num_actual_tokens == num_tokens and common.spec_mask is None):
+        if not _is_draft_step(common):
             return self.build(common)
-        num_keys = max(common.max_seq_len, 1)
-        key_pos = torch.arange(num_keys, device=common.seq_lens.device)
-        visible = (key_pos < common.seq_lens.view(-1, 1)) | (key_pos == 0)  # [B, num_keys]
-        mask = torch.where(visible, 0.0, float("-inf")).view(num_tokens, 1, 1, num_keys)
-        write_slots, write_rows = _write_plan(common.slot_mapping)
-        return CpuAttnMetadata(common, 1, num_keys, mask, common.block_table.long().clamp(min=0),
-                               write_slots, write_rows, None)
+        return self.build_for_draft_steps([common])[0]
 
+    def build_for_draft_steps(self, commons: list[CommonAttentionMetadata],
+                              block_size: int | None = None, no_padding_slots: bool = False
+                              ) -> list[CpuAttnMetadata]:
+        """Every step of one draft loop at once: equal to ``[build_for_drafting(c, i + 1) for
+        i, c in enumerate(commons)]``, in one vectorised computation when the steps share
+        block_table and max_seq_len and each has one query per request (a chain's draft
+        loop). block_size: also plan ``block_plan(block_size)`` here (the drafter knows its
+        cache's block size), so no layer pads the mask. no_padding_slots: the caller knows on
+        the host that no step's slot is padding: no write redirect (``_write_targets``).
+        Sync-free: reads no tensor."""
+        first = commons[0]
+        if not all(_is_draft_step(c) and c.block_table is first.block_table
+                   and c.max_seq_len == first.max_seq_len for c in commons):
+            return [self.build(c) if not _is_draft_step(c) else
+                    self.build_for_draft_steps([c], block_size, no_padding_slots)[0]
+                    for c in commons]
+        num_steps, batch_size = len(commons), first.num_reqs
+        num_keys = max(first.max_seq_len, 1)
+        block_ids = first.block_table.long().clamp(min=0)  # [B, max_blocks_per_seq]
+        plan_width = num_keys
+        if block_size is not None:
+            num_blocks = min(-(-num_keys // block_size), block_ids.shape[1])
+            plan_width = num_blocks * block_size
+            plan_blocks = block_ids[:, :num_blocks].reshape(-1)
+        width = max(num_keys, plan_width)
+        # Keys past num_keys are masked (the block plan's tail): clamp the lengths to it.
+        seq_lens = torch.stack([c.seq_lens for c in commons]).clamp(max=num_keys)  # [S, B]
+        key_pos = torch.arange(width, device=first.seq_lens.device)
+        visible = (key_pos < seq_lens.unsqueeze(-1)) | (key_pos == 0)  # [S, B, width]
+        masks = torch.where(visible, 0.0, float("-inf")).view(num_steps, batch_size, 1, 1,
+                                                                width)
+        metas = []
+        for common, mask in zip(commons, masks):
+            write_slots, write_rows = _write_targets(common.slot_mapping, no_padding_slots)
+            meta = CpuAttnMetadata(common, 1, num_keys, mask[..., :num_keys], block_ids,
+                                   write_slots, write_rows, None)
+            if block_size is not None:
+                meta.by_block_size[block_size] = BlockPlan(plan_blocks, plan_width,
+                                                           mask[..., :plan_width])
+            metas.append(meta)
+        return metas
+
+
+def _is_draft_step(common: CommonAttentionMetadata) -> bool:
+    """One query token per request, no padding token, no tree mask (host ints only)."""
+    num_tokens = common.slot_mapping.shape[0]
+    return (common.max_query_len == 1 and common.num_reqs == num_tokens
+            and common.num_actual_tokens == num_tokens and common.spec_mask is None)
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
              meta: CpuAttnMetadata) -> None:
     """``write_kv_reference`` with the index work from the plan: for a contiguous NHD cache of
-    a float dtype, 3 ops per tensor with the same stored values; other caches take the
+    a float dtype, 1 op per tensor (3 with padding slots) with the same stored values; other caches take the
     reference itself. key/value [>= num_tokens, Hk, head_dim] (may be strided views)."""
     num_tokens = meta.write_slots.shape[0]
     if num_tokens == 0:
@@ -279,6 +345,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
         rows = new if new.shape[0] == num_tokens else new[:num_tokens]
         if rows.dtype != store.dtype:
             rows = rows.to(store.dtype)
+        if meta.write_rows is None:  # no padding slot: write_slots is the slot mapping
+            flat.index_copy_(0, meta.write_slots, rows)
+            continue
         pool = torch.cat([rows, flat[:1]])  # + slot 0's current contents
         flat.index_copy_(0, meta.write_slots, pool.index_select(0, meta.write_rows))
 

@@ -65,6 +65,10 @@ class CommonAttentionMetadata:
     # Optional tree mask over the last S keys of every request (see the module docstring
     # for the row rule): mask[r, m] = True lets the token at key index r see key index m.
     spec_mask: torch.Tensor | None = None  # [S, S] (shared) or [num_reqs, S, S] bool
+    # The builder of this metadata knew on the host that no slot_mapping entry is
+    # PADDING_SLOT_ID (backends may then write the KV cache without redirecting padding).
+    # False promises nothing; with_updates resets it when slot_mapping changes.
+    no_padding_slots: bool = False
 
     def __post_init__(self) -> None:
         if self.query_start_loc.shape[0] != self.num_reqs + 1:
@@ -77,14 +81,19 @@ class CommonAttentionMetadata:
             check_spec_mask(self.spec_mask, self.num_reqs)
 
     def with_updates(self, **changes) -> "CommonAttentionMetadata":
-        """A copy with ``changes`` applied (metadata objects are never mutated)."""
+        """A copy with ``changes`` applied (metadata objects are never mutated). A new
+        slot_mapping drops the ``no_padding_slots`` promise unless the change restates it."""
+        if "slot_mapping" in changes:
+            changes.setdefault("no_padding_slots", False)
         return replace(self, **changes)
 
     @staticmethod
     def from_cpu(query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor,
                  slot_mapping: torch.Tensor, device: torch.device | str,
-                 causal: bool = True) -> "CommonAttentionMetadata":
-        """Build from host lists (the scheduler's view); tensors are copied to ``device``."""
+                 causal: bool = True, no_padding_slots: bool = False
+                 ) -> "CommonAttentionMetadata":
+        """Build from host lists (the scheduler's view); tensors are copied to ``device``.
+        no_padding_slots: the caller checked that no slot is PADDING_SLOT_ID."""
         qsl_cpu = torch.tensor(query_start_loc, dtype=torch.int32)
         sl_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
@@ -95,7 +104,8 @@ class CommonAttentionMetadata:
             max_query_len=int(query_lens.max()) if len(seq_lens) else 0,
             max_seq_len=max(seq_lens) if seq_lens else 0,
             block_table=host_to_device(block_table.to(torch.int32), device),
-            slot_mapping=host_to_device(slot_mapping.to(torch.int64), device), causal=causal)
+            slot_mapping=host_to_device(slot_mapping.to(torch.int64), device), causal=causal,
+            no_padding_slots=no_padding_slots)
 
 
 def check_spec_mask(mask: torch.Tensor, num_reqs: int) -> None:

@@ -170,9 +170,14 @@ class EagleProposer:
             rest = runner.run(draft_ids, positions, seq_lens, sample_hidden, common.block_table,
                               common.max_seq_len)
         else:
+            # Positions are <= max_seq_len - 1, so no step reaches max_model_len (a padding
+            # slot) when this holds; the scheduler's lookahead covers the steps' slots.
+            no_padding = positions.dim() == 1 and \
+                common.max_seq_len + num_drafts - 1 <= self.max_model_len
             rest = self.draft_steps(draft_ids, positions, seq_lens, sample_hidden,
                                     common.block_table, kv_caches,
-                                    seq_len_bound=common.max_seq_len, steps=num_drafts - 1)
+                                    seq_len_bound=common.max_seq_len, steps=num_drafts - 1,
+                                    no_padding_slots=no_padding)
         return torch.cat([draft_ids.view(-1, 1), rest], dim=1)  # [B, k]
 
     def first_forward(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
@@ -219,13 +224,18 @@ class EagleProposer:
     def draft_steps(self, draft_ids: torch.Tensor, positions: torch.Tensor,
                     seq_lens: torch.Tensor, hidden: torch.Tensor, block_table: torch.Tensor,
                     kv_caches: list[LayerKVCache], seq_len_bound: int,
-                    out: torch.Tensor | None = None, steps: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, steps: int | None = None,
+                    no_padding_slots: bool = False) -> torch.Tensor:
         """The k-1 single-token draft steps, sync-free and graph-capturable.
 
         draft_ids [B] (the first draft), positions [B] (or [3, B]; position of the token that
         produced it), seq_lens [B] int32 (its sequence length), hidden [B, H] (its hidden
         state), block_table [B, max_blocks_per_seq], seq_len_bound: a host upper bound of
         every seq_len -> drafts 2..k [B, k-1] (written into ``out`` when given).
+        no_padding_slots: the caller's host guarantee that every step's slot is a real one
+        (no position reaches max_model_len, block_table covers every draft position): a
+        backend that plans the whole loop (``build_for_draft_steps``) then skips the KV-write
+        padding redirect. A violated guarantee fails loudly (index out of range).
         """
         batch_size = draft_ids.shape[0]
         steps = self.num_speculative_tokens - 1 if steps is None else steps
@@ -236,21 +246,44 @@ class EagleProposer:
         seq_lens_cpu = torch.full((batch_size,), max_seq_len, dtype=torch.int32)
         indexer = DraftStepIndexer(positions, seq_lens, block_table, steps, self.block_size,
                                    self.max_model_len)
-        drafts = []
-        for draft_index in range(1, steps + 1):
-            clamped, slots, step_seq_lens = indexer.step(draft_index)
-            step_common = CommonAttentionMetadata(
+
+        def step_common(slots: torch.Tensor, step_seq_lens: torch.Tensor
+                        ) -> CommonAttentionMetadata:
+            return CommonAttentionMetadata(
                 query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc_cpu,
                 seq_lens=step_seq_lens, seq_lens_cpu=seq_lens_cpu, num_reqs=batch_size,
                 num_actual_tokens=batch_size, max_query_len=1, max_seq_len=max_seq_len,
                 block_table=block_table, slot_mapping=slots, causal=True)
-            metadata = self.builder.build_for_drafting(step_common, draft_index)
+
+        planned = self._plan_all_steps(indexer, steps, step_common, no_padding_slots)
+        drafts = []
+        for draft_index in range(1, steps + 1):
+            if planned is not None:
+                clamped, metadata = planned[draft_index - 1]
+            else:
+                clamped, slots, step_seq_lens = indexer.step(draft_index)
+                metadata = self.builder.build_for_drafting(step_common(slots, step_seq_lens),
+                                                           draft_index)
             hidden = self.head(draft_ids, clamped, hidden, kv_caches, metadata)
             draft_ids = self._greedy(hidden)
             drafts.append(draft_ids)
         if out is None:
             return torch.stack(drafts, dim=1)
         return torch.stack(drafts, dim=1, out=out)
+
+    def _plan_all_steps(self, indexer: DraftStepIndexer, steps: int, step_common,
+                        no_padding_slots: bool) -> list[tuple[torch.Tensor, object]] | None:
+        """[(clamped_positions, attention metadata)] of every draft step, planned together
+        when the indexer has the whole schedule (no fused in-place kernel) and the builder
+        plans a loop at once (``build_for_draft_steps``); None: plan step by step.
+        step_common(slots, seq_lens) -> the step's CommonAttentionMetadata."""
+        build_all = getattr(self.builder, "build_for_draft_steps", None)
+        if build_all is None or not indexer.precomputed or steps < 1:
+            return None
+        inputs = [indexer.step(i) for i in range(1, steps + 1)]
+        metadata = build_all([step_common(slots, lens) for _, slots, lens in inputs],
+                             self.block_size, no_padding_slots)
+        return [(clamped, meta) for (clamped, _, _), meta in zip(inputs, metadata)]
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, H] -> [B] target-vocabulary ids of the head's argmax."""

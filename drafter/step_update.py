@@ -32,7 +32,8 @@ class DraftStepIndexer:
     """``step(i)`` -> (clamped_positions [B] (or [3, B]), slot_mapping [B] int64,
     seq_lens [B] int32) of draft step i (1-based), starting from the token at ``positions``
     with sequence length ``seq_lens``. Tensors returned by a fused kernel are reused buffers,
-    overwritten by the next step."""
+    overwritten by the next step; ``precomputed``: every step's tensors exist already
+    (the schedule), so steps may be read ahead, in any order."""
 
     def __init__(self, positions: torch.Tensor, seq_lens: torch.Tensor,
                  block_table: torch.Tensor, num_steps: int, block_size: int,
@@ -40,6 +41,7 @@ class DraftStepIndexer:
         self.block_table, self.block_size, self.max_model_len = block_table, block_size, \
             max_model_len
         self.kernel = _fused_kernel(positions)
+        self.precomputed = self.kernel is None
         if self.kernel is not None:
             self.positions = positions.clone()
             self.seq_lens = seq_lens.to(torch.int32).clone()

@@ -81,7 +81,8 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     block_table = torch.tensor(table_rows, dtype=torch.int32).view(len(scheduled),
                                                                    max_blocks_per_seq)
     common = CommonAttentionMetadata.from_cpu(qsl, seq_lens, block_table,
-                                              torch.tensor(slots, dtype=torch.long), device)
+                                              torch.tensor(slots, dtype=torch.long), device,
+                                              no_padding_slots=PADDING_SLOT_ID not in slots)
     draft_parents = None
     if is_tree and not all(p == list(range(-1, len(p) - 1)) for p in tree_parents):
         # A chain's tree mask is the causal one (rocdraft/draft_shape.py drafts chains in

@@ -305,3 +305,95 @@ def test_split_batches_equal_the_oracle(chunk, short, position, num_padding, see
         lambda: Case(specs, head_dim=8, block_size=4, seed=seed), num_padding=num_padding)
     torch.testing.assert_close(fast, oracle, atol=1e-5, rtol=1e-5)
     _assert_same_caches(fast_case, oracle_case)
+
+
+@pytest.mark.parametrize("specs", [DECODES, VERIFIES, MIXED])
+def test_no_padding_write_equals_the_redirected_write(specs):
+    """A batch with no padding slot planned with the host flag (one index_copy_ per tensor,
+    no write_rows) stores and attends exactly as the redirecting plan."""
+    outs, cases = [], []
+    for no_padding in (False, True):
+        case = Case(specs, seed=21)
+        query, key, value, slots = case.new_token_inputs()
+        meta = CpuAttnBuilder("cpu")._build_whole(_common(case, slots), no_padding)
+        assert (meta.write_rows is None) == no_padding
+        outs.append(CpuAttnImpl(case.num_heads, case.num_kv_heads, case.head_dim, case.scale)
+                    .forward(query, key, value, case.cache, meta))
+        cases.append(case)
+    assert torch.equal(outs[0], outs[1])
+    _assert_same_caches(*cases)
+
+
+def test_build_takes_the_no_padding_flag_the_metadata_carries():
+    """``build`` takes the flag from ``no_padding_slots`` (never from a tensor); without the
+    promise it plans the redirect."""
+    case = Case(DECODES, seed=22)
+    _, _, _, slots = case.new_token_inputs()
+    common = _common(case, slots)
+    assert CpuAttnBuilder("cpu").build(common).write_rows is not None
+    meta = CpuAttnBuilder("cpu").build(common.with_updates(no_padding_slots=True))
+    assert meta.write_rows is None and torch.equal(meta.write_slots, slots)
+
+
+def _draft_loop_commons(seq_lens, slots, max_seq_len, block_table):
+    """One CommonAttentionMetadata per draft step, as EagleProposer.draft_steps builds them:
+    seq_lens / slots [B, S]."""
+    batch_size = seq_lens.shape[0]
+    qsl = torch.arange(batch_size + 1, dtype=torch.int32)
+    return [CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens[:, i],
+        seq_lens_cpu=torch.full((batch_size,), max_seq_len, dtype=torch.int32),
+        num_reqs=batch_size, num_actual_tokens=batch_size, max_query_len=1,
+        max_seq_len=max_seq_len, block_table=block_table, slot_mapping=slots[:, i])
+        for i in range(seq_lens.shape[1])]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 4), st.sampled_from([1, 4, 16]),
+       st.integers(1, 6), st.booleans(), st.integers(0, 2 ** 16))
+def test_draft_loop_plan_equals_per_step_plans(batch_size, num_steps, block_size, table_width,
+                                               with_padding, seed):
+    """build_for_draft_steps (all steps at once, block plan included) equals
+    build_for_drafting step by step, field by field: masks, block plans (a table narrower
+    than max_seq_len too), write targets (the redirect with padding slots; the plain slots
+    when the caller vouches there is none)."""
+    g = torch.Generator().manual_seed(seed)
+    max_seq_len = int(torch.randint(1, 40, (1,), generator=g))
+    # A few past the bound too (max_seq_len bounds them; the plan must still match).
+    seq_lens = torch.randint(1, max_seq_len + 3, (batch_size, num_steps), generator=g,
+                             dtype=torch.int32)
+    slots = torch.randint(0, 50, (batch_size, num_steps), generator=g)
+    if with_padding:
+        slots[0, -1] = -1
+    block_table = torch.randint(-1, 9, (batch_size, table_width), generator=g,
+                                dtype=torch.int32)
+    commons = _draft_loop_commons(seq_lens, slots, max_seq_len, block_table)
+    planned = CpuAttnBuilder("cpu").build_for_draft_steps(commons, block_size,
+                                                          no_padding_slots=not with_padding)
+    for i, (common, fast) in enumerate(zip(commons, planned)):
+        ref = CpuAttnBuilder("cpu").build_for_drafting(common, i + 1)
+        assert fast.common is common and fast.query_rows is None and fast.groups is None
+        assert (fast.num_query_rows, fast.num_keys) == (ref.num_query_rows, ref.num_keys)
+        assert torch.equal(fast.mask, ref.mask) and torch.equal(fast.block_ids, ref.block_ids)
+        assert torch.equal(fast.write_slots, ref.write_slots if with_padding else slots[:, i])
+        assert fast.write_rows is None if not with_padding else \
+            torch.equal(fast.write_rows, ref.write_rows)
+        assert block_size in fast.by_block_size  # planned here, not by the first layer
+        for size in {block_size, 4}:
+            got, want = fast.block_plan(size), ref.block_plan(size)
+            assert got.width == want.width and torch.equal(got.block_ids, want.block_ids)
+            assert torch.equal(got.mask, want.mask)
+
+
+def test_draft_loop_plan_falls_back_per_step_for_other_shapes():
+    """Steps that do not share one block table (or are not one query per request) are
+    planned one by one, each as build_for_drafting / build would."""
+    case = Case(DECODES, seed=23)
+    _, _, _, slots = case.new_token_inputs()
+    common = _common(case, slots)
+    other = common.with_updates(block_table=common.block_table.clone())
+    metas = CpuAttnBuilder("cpu").build_for_draft_steps([common, other], 4)
+    for fast, c in zip(metas, (common, other)):
+        ref = CpuAttnBuilder("cpu").build_for_drafting(c, 1)
+        assert fast.common is c and torch.equal(fast.mask, ref.mask)
+        assert torch.equal(fast.block_plan(4).mask, ref.block_plan(4).mask)

@@ -411,3 +411,59 @@ def test_draft_step_metadata_is_one_query_token_per_request(monkeypatch):
         assert common.max_seq_len >= 8 + i
         assert bool((common.seq_lens_cpu >= common.seq_lens).all())
         assert common.causal
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_draft_loop_without_the_padding_redirect_drafts_and_writes_the_same(pair, method):
+    """The batched draft-loop plan with the caller's no-padding guarantee (plain KV writes)
+    drafts the same tokens and leaves the same draft KV cache as the redirecting plan; and
+    propose gives the guarantee exactly when no step can reach max_model_len."""
+    llm = LLM(pair["target"], draft=pair[method],
+              speculative_config=SpeculativeConfig(method, num_speculative_tokens=4,
+                                                   draft_policy="fixed"))
+    assert hasattr(llm.proposer.builder, "build_for_draft_steps")  # CPU_ATTN on the CPU
+    batch, sampled, hidden = _run_until_drafting(llm, [1, 2, 0])
+    proposer, caches = llm.proposer, llm.draft_kv_caches
+    seen = []
+    draft_steps = proposer.draft_steps
+
+    def record(*args, **kwargs):
+        seen.append(kwargs["no_padding_slots"])
+        return draft_steps(*args, **kwargs)
+
+    discard = torch.tensor([not s for s in batch.samples])
+    next_ids, valid = proposer.prepare_next_token_ids_padded(sampled, discard,
+                                                             batch.backup_next_token_ids)
+    indices, rejected = proposer.prepare_inputs_padded(batch.common, batch.num_draft_tokens,
+                                                       valid)
+    saved = [(c.key.clone(), c.value.clone()) for c in caches]
+    results = []
+    # Per-step plans (the reference), then the whole-loop plan with and without the flag.
+    for batched, flag in ((False, False), (True, False), (True, True)):
+        for cache, (key, value) in zip(caches, saved):
+            cache.key.copy_(key)
+            cache.value.copy_(value)
+        proposer.draft_steps = lambda *a, flag=flag, **k: record(
+            *a, **{**k, "no_padding_slots": flag})
+        if not batched:
+            proposer._plan_all_steps = lambda *_args: None
+        drafts = proposer.propose(batch.input_ids, batch.positions, hidden, next_ids, indices,
+                                  batch.common, caches, num_rejected=rejected)
+        proposer.__dict__.pop("_plan_all_steps", None)  # back to the method
+        results.append((drafts, [(c.key.clone(), c.value.clone()) for c in caches]))
+    (drafts_ref, caches_ref), *others = results
+    for drafts, caches_got in others:
+        assert torch.equal(drafts, drafts_ref)
+        for (ka, va), (kb, vb) in zip(caches_got, caches_ref):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+    # The flag propose computes itself: True far from max_model_len.
+    proposer.draft_steps = record
+    seen.clear()
+    proposer.propose(batch.input_ids, batch.positions, hidden, next_ids, indices,
+                     batch.common, caches, num_rejected=rejected)
+    assert seen == [True]
+    near_end = batch.common.with_updates(max_seq_len=llm.max_model_len - 2)
+    seen.clear()
+    proposer.propose(batch.input_ids, batch.positions, hidden, next_ids, indices,
+                     near_end, caches, num_rejected=rejected)
+    assert seen == [False]

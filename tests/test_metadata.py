@@ -165,3 +165,13 @@ def test_spec_mask_with_an_empty_batch_checks_only_the_shape():
     assert m.with_updates(spec_mask=torch.ones(0, 2, 2, dtype=torch.bool)).num_reqs == 0
     with pytest.raises(ValueError, match="batch dim 1"):
         m.with_updates(spec_mask=torch.ones(1, 2, 2, dtype=torch.bool))
+
+
+def test_a_new_slot_mapping_drops_the_no_padding_promise():
+    common = CommonAttentionMetadata.from_cpu([0, 2], [5], torch.zeros(1, 2, dtype=torch.int32),
+                                              torch.tensor([3, 4]), "cpu", no_padding_slots=True)
+    assert common.no_padding_slots
+    assert common.with_updates(causal=False).no_padding_slots  # slots unchanged: kept
+    assert not common.with_updates(slot_mapping=torch.tensor([3, -1])).no_padding_slots
+    assert common.with_updates(slot_mapping=torch.tensor([3, 5]),
+                               no_padding_slots=True).no_padding_slots
