@@ -17,9 +17,16 @@ min(num_speculative_tokens, tree depth)) and verified as a one-child-per-level t
 tree sampler on a chain is standard speculative sampling with deterministic drafts, so the
 output distribution is the target's either way (rocdraft/tree_sampler.py says why).
 
-Samples, per batch bucket (``batch_bucket``), exponentially averaged (``SAMPLE_WEIGHT`` for
-the newest): tokens emitted per second of whole steps without prompt tokens that verified
-drafts of one shape and drafted that shape again. A step that switches shape is no sample.
+Samples, per batch bucket (``batch_bucket``): tokens emitted per second of whole steps
+without prompt tokens that verified drafts of one shape and drafted that shape again (a step
+that switches shape is no sample). A shape's rate is the median of its last ``SAMPLES``:
+one-time costs (a Triton kernel compiled for a new query shape, a graph captured, caches
+warming) make single steps hundreds of times slower, and an average of such a sample kept a
+faster shape from being chosen for dozens of steps in a first H200 run.
+
+Where it runs: only where the draft loop runs eagerly (the CPU, ``enforce_eager``). On a GPU
+the tree's levels are captured in graphs while the chain drafted in tree mode would run
+eagerly, and on the H200 the trees beat the chain at batch 1 and 8 without a chooser.
 
 Decision (``decide``), per step of a bucket numbered i = 0, 1, ...:
 - until both shapes have a rate: the shape of i // PROBE_STEPS (even: tree, odd: chain),
@@ -32,13 +39,14 @@ the rest chains. Greedy outputs never depend on it.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 
 from rocdraft.draft_policy import batch_bucket
-from rocdraft.throughput_guard import average_rate
 
 SHAPES = ("tree", "chain")
-SAMPLE_WEIGHT = 0.2
+SAMPLES = 5  # a shape's rate: the median of its last SAMPLES pure steps
 PROBE_STEPS = 3  # a run of one shape: PROBE_STEPS - 1 pure samples
 EXPLORE_EVERY = 32  # steps between probes of the slower shape
 
@@ -46,7 +54,12 @@ EXPLORE_EVERY = 32  # steps between probes of the slower shape
 @dataclass
 class _Bucket:
     steps: int = 0  # decisions taken in this bucket
-    rates: dict = field(default_factory=dict)  # shape -> tokens per second
+    samples: dict = field(default_factory=dict)  # shape -> deque of tokens per second
+
+    @property
+    def rates(self) -> dict:
+        """shape -> the median of its recent samples (tokens per second)."""
+        return {shape: median(found) for shape, found in self.samples.items()}
 
 
 class DraftShapeChooser:
@@ -81,4 +94,7 @@ class DraftShapeChooser:
         """One pure step of ``shape`` that emitted ``num_tokens`` in ``seconds``."""
         if shape not in SHAPES:
             raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
-        average_rate(self._bucket(batch_size).rates, shape, num_tokens, seconds, SAMPLE_WEIGHT)
+        samples = self._bucket(batch_size).samples
+        if seconds <= 0 or num_tokens <= 0:
+            return
+        samples.setdefault(shape, deque(maxlen=SAMPLES)).append(num_tokens / seconds)

@@ -240,10 +240,6 @@ class LLMEngine:
         self.tree_acceptance = TreeAcceptanceEstimate(self.tree.num_nodes) \
             if isinstance(self.tree, DynamicTree) and spec.draft_policy == "cost" \
             and spec.max_draft_tokens_per_step is None else None
-        # A tree config under the cost policy drafts, per batch bucket, the tree or a chain of
-        # min(k, depth), whichever measured faster (rocdraft/draft_shape.py).
-        self.shape_chooser = DraftShapeChooser() if self.tree is not None \
-            and spec.draft_policy == "cost" and spec.draft_costs is None else None
         num_layers, num_kv_heads, head_dim = self.head.kv_cache_spec()
         self.draft_kv_caches = allocate_kv_cache(num_layers, num_blocks, block_size,
                                                  num_kv_heads, head_dim, self.torch_dtype,
@@ -256,6 +252,11 @@ class LLMEngine:
         self.proposer.validate_kv_caches(self.draft_kv_caches)
         self.draft_graph_refusal = graph_capture_refusal(self.draft_backend, self.device,
                                                          spec.enforce_eager)
+        # A tree config under the cost policy, drafting eagerly, drafts per batch bucket the
+        # tree or a chain of min(k, depth), whichever measured faster (rocdraft/draft_shape.py).
+        self.shape_chooser = DraftShapeChooser() if self.tree is not None \
+            and spec.draft_policy == "cost" and spec.draft_costs is None \
+            and self.draft_graph_refusal is not None else None
         if self.draft_graph_refusal is None and self.tree is not None:
             if self.proposer.tree_drafter.level_ends:  # a depth-1 tree has no level loop
                 self.proposer.tree_runner = TreeLoopRunner(

@@ -279,7 +279,9 @@ def test_bench_compare_builtin_pair_side_by_side(capsys, tmp_path, monkeypatch):
     assert chain["tree_kind"] is None and "per_depth_acceptance" not in chain
     assert len(chain["per_position_acceptance"]) == 4 and chain["nodes_per_verify_step"] <= 4
     assert dynamic["tree_kind"] == "dynamic"
-    assert len(dynamic["per_depth_acceptance"]) == 5 and dynamic["nodes_per_verify_step"] == 15
+    # chains of 4 where the shape chooser measured them faster (rocdraft/draft_shape.py)
+    assert len(dynamic["per_depth_acceptance"]) == 5 \
+        and 4 <= dynamic["nodes_per_verify_step"] <= 15
     assert "dynamic run 1" in err and "chain run 1" in err
     if has_plot:
         assert plot.stat().st_size > 1000

@@ -7,7 +7,7 @@ import pytest
 
 from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
 from rocdraft.config import SamplingParams, SpeculativeConfig
-from rocdraft.draft_shape import EXPLORE_EVERY, PROBE_STEPS, SAMPLE_WEIGHT, DraftShapeChooser
+from rocdraft.draft_shape import EXPLORE_EVERY, PROBE_STEPS, SAMPLES, DraftShapeChooser
 from rocdraft.engine import LLM
 
 PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11]
@@ -37,11 +37,21 @@ def test_docstring_example_the_faster_shape_with_probes_of_the_other():
     assert chooser.faster(8) == "tree"
 
 
-def test_samples_are_exponential_averages_and_checked():
+def test_a_rate_is_the_median_of_recent_samples_so_one_slow_step_does_not_count():
     chooser = DraftShapeChooser()
+    chooser.record(2, "tree", 5, 1.0)  # a first step that compiled a kernel: 5 tok/s
     chooser.record(2, "chain", 100, 1.0)
-    chooser.record(2, "chain", 200, 1.0)
-    assert chooser.buckets[2].rates["chain"] == pytest.approx(100 + SAMPLE_WEIGHT * 100)
+    for rate in (400, 410, 390):
+        chooser.record(2, "tree", rate, 1.0)
+    assert chooser.buckets[2].rates["tree"] == 395  # median of 5, 400, 410, 390
+    assert chooser.faster(2) == "tree"
+    for _ in range(SAMPLES):  # older samples leave the window
+        chooser.record(2, "tree", 50, 1.0)
+    assert chooser.buckets[2].rates["tree"] == 50 and chooser.faster(2) == "chain"
+
+
+def test_bad_samples_are_not_counted_and_bad_arguments_refused():
+    chooser = DraftShapeChooser()
     chooser.record(2, "tree", 0, 1.0)  # nothing emitted: no sample
     chooser.record(2, "tree", 5, 0.0)
     assert "tree" not in chooser.buckets[2].rates
@@ -76,7 +86,7 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
     for faster, slower in (("chain", "tree"), ("tree", "chain")):  # one shape far faster
         for bucket in (1, 2, 4):
             llm.shape_chooser.buckets[bucket] = type(llm.shape_chooser.buckets[4])(
-                rates={faster: 1e12, slower: 1.0})
+                samples={faster: [1e12], slower: [1.0]})
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
         stats = llm.last_stats
         assert stats.acceptance_length > 1.5
