@@ -154,13 +154,6 @@ def _write_targets(slot_mapping: torch.Tensor, no_padding: bool
     return _write_plan(slot_mapping)
 
 
-def _no_padding_flag(common: CommonAttentionMetadata) -> bool:
-    """The host flag "no slot of this batch is padding" (``no_padding_slots``, set where the
-    metadata is built from host lists; False: plan the redirect). Never reads a tensor: the
-    drafting paths must not touch the host."""
-    return common.no_padding_slots
-
-
 # Split a ragged batch when the two groups' padded attention work is at most this share of
 # the whole batch's.
 SPLIT_WORK_SHARE = 0.5
@@ -220,7 +213,7 @@ class CpuAttnBuilder(MetadataBuilder):
         Only a batch whose padding would at least double its query rows (a ragged one: never
         decodes, verifies or draft steps) reads the metadata's host copies of the lengths,
         to choose a split (``query_groups``)."""
-        no_padding = _no_padding_flag(common)
+        no_padding = common.no_padding_slots  # a host flag: reads no tensor
         padded_rows = common.num_reqs * common.max_query_len
         if common.num_reqs > 1 and padded_rows >= 2 * common.num_actual_tokens:
             qsl = common.query_start_loc_cpu.tolist()
@@ -328,11 +321,13 @@ def _is_draft_step(common: CommonAttentionMetadata) -> bool:
     return (common.max_query_len == 1 and common.num_reqs == num_tokens
             and common.num_actual_tokens == num_tokens and common.spec_mask is None)
 
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
              meta: CpuAttnMetadata) -> None:
     """``write_kv_reference`` with the index work from the plan: for a contiguous NHD cache of
-    a float dtype, 1 op per tensor (3 with padding slots) with the same stored values; other caches take the
-    reference itself. key/value [>= num_tokens, Hk, head_dim] (may be strided views)."""
+    a float dtype, 1 op per tensor (3 with padding slots) with the same stored values; other
+    caches take the reference itself. key/value [>= num_tokens, Hk, head_dim] (may be
+    strided views)."""
     num_tokens = meta.write_slots.shape[0]
     if num_tokens == 0:
         return

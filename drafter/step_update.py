@@ -35,13 +35,17 @@ class DraftStepIndexer:
     overwritten by the next step; ``precomputed``: every step's tensors exist already
     (the schedule), so steps may be read ahead, in any order."""
 
+    @property
+    def precomputed(self) -> bool:
+        """Every step's tensors exist already (no fused in-place kernel)."""
+        return self.kernel is None
+
     def __init__(self, positions: torch.Tensor, seq_lens: torch.Tensor,
                  block_table: torch.Tensor, num_steps: int, block_size: int,
                  max_model_len: int) -> None:
         self.block_table, self.block_size, self.max_model_len = block_table, block_size, \
             max_model_len
         self.kernel = _fused_kernel(positions)
-        self.precomputed = self.kernel is None
         if self.kernel is not None:
             self.positions = positions.clone()
             self.seq_lens = seq_lens.to(torch.int32).clone()
