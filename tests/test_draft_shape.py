@@ -91,6 +91,8 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
         stats = llm.last_stats
         assert stats.acceptance_length > 1.5
         nodes[faster] = stats.num_verified_nodes / stats.num_verify_steps
+        if faster == "chain":  # a chain, not a flat tree: drafts past depth 1 are accepted
+            assert sum(stats.accepted_at_position[1:]) > 0, stats.accepted_at_position
     # Chains of min(k, depth) = 3 drafts (no probe in so few steps); trees of up to 7 nodes.
     assert nodes["chain"] == 3 and nodes["tree"] > 4, nodes
 
