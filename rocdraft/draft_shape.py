@@ -12,21 +12,36 @@ this chooser decides from the engine's own clock instead, so a tree config is ne
 than the chain by more than its probes.
 
 The chain is drafted by the chain drafter (``EagleProposer.propose``, k =
-min(num_speculative_tokens, tree depth)) and verified as a one-child-per-level tree (parents
--1, 0, 1, ...), so the tree's verification, sampling and KV compaction run unchanged: the
-tree sampler on a chain is standard speculative sampling with deterministic drafts, so the
-output distribution is the target's either way (rocdraft/tree_sampler.py says why).
+min(num_speculative_tokens, tree depth)) and verified next step exactly as in chain mode
+(causal verification, the rejection sampler, no KV compaction), so a chain step in tree mode
+costs what a chain config's step costs; both samplers are lossless, so the output
+distribution is the target's either way. A request whose chain sits in a batch beside
+another's tree (a step that did not schedule it) is verified as a one-child-per-level tree
+(``build_step_batch``).
 
-Samples, per batch bucket (``batch_bucket``): tokens emitted per second of whole steps
-without prompt tokens that verified drafts of one shape and drafted that shape again (a step
-that switches shape is no sample). A shape's rate is the median of its last ``SAMPLES``:
-one-time costs (a Triton kernel compiled for a new query shape, a graph captured, caches
-warming) make single steps hundreds of times slower, and an average of such a sample kept a
-faster shape from being chosen for dozens of steps in a first H200 run.
+Estimate, per batch bucket (``batch_bucket``). Samples are whole steps without prompt
+tokens that verified drafts of one shape and drafted that shape again (a step that switches
+shape is no sample). Acceptance depends on the text far more than on the shape (one held-out
+prompt accepts 5.9 tokens per tree step, another 3), so rates of steps taken at different
+times compare texts, not shapes: measured that way the chooser kept the tree at batch 1
+where the chain was 1.3x faster. So tokens are compared on the same steps: a verified tree
+also says what the chain would have produced there, because the chain drafts the head's
+argmax at every depth, which is the tree's rank-0 child (``chain_tokens_on_path``: 1 + the
+accepted path's leading rank-0 nodes, at most the chain's length). Then
+- gain = sum of the tree's tokens / sum of the chain's tokens on its last ``TOKEN_SAMPLES``
+  tree steps (tokens counted before a stop or max_tokens cut them);
+- each shape's step time is the median of its last ``TIME_SAMPLES`` steps: one-time costs (a
+  Triton kernel compiled for a new query shape, a graph captured) make single steps hundreds
+  of times slower, and a mean of such a time kept the faster shape from being chosen for
+  dozens of steps in a first H200 run;
+- the tree is faster when gain > tree time / chain time. ``rates`` reports both as tokens
+  per second on the tree steps' text.
+Where the tree lacks a rank-0 child (a static tree without it) the chain's tokens are
+undercounted and the tree is favoured: such trees are unusual.
 
-Where it runs: only where the draft loop runs eagerly (the CPU, ``enforce_eager``). On a GPU
-the tree's levels are captured in graphs while the chain drafted in tree mode would run
-eagerly, and on the H200 the trees beat the chain at batch 1 and 8 without a chooser.
+Where it runs: every tree config under the cost policy without given costs. On a GPU the
+engine captures both the tree levels and the chain's draft loop (the chain of k drafts; a
+shorter one, depth < k, runs eagerly), so each shape is measured at its captured speed.
 
 Decision (``decide``), per step of a bucket numbered i = 0, 1, ...:
 - until both shapes have a rate: the shape of i // PROBE_STEPS (even: tree, odd: chain),
@@ -41,25 +56,64 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
+from statistics import mean, median
 
 from rocdraft.draft_policy import batch_bucket
 
 SHAPES = ("tree", "chain")
-SAMPLES = 5  # a shape's rate: the median of its last SAMPLES pure steps
+TIME_SAMPLES = 5  # a shape's step time: the median of its last TIME_SAMPLES pure steps
+TOKEN_SAMPLES = 16  # the tree's gain: over its last TOKEN_SAMPLES pure steps
 PROBE_STEPS = 3  # a run of one shape: PROBE_STEPS - 1 pure samples
 EXPLORE_EVERY = 32  # steps between probes of the slower shape
+
+
+def rank0_flags(parents: list[int], ranks: tuple[int, ...] | None = None) -> list[bool]:
+    """Whether each tree node is its parent's rank-0 (the head's argmax) child -> [N].
+    ``ranks``: a static tree's rank of each node (``StaticTree.ranks``); None: a dynamic
+    tree, whose BFS order lists a parent's children best first, so its first child is rank 0.
+
+    Example: parents [-1, -1, 0, 0, 1] -> [True, False, True, False, True]."""
+    if ranks is not None:
+        return [ranks[i] == 0 for i in range(len(parents))]
+    seen: set[int] = set()
+    flags = []
+    for parent in parents:
+        flags.append(parent not in seen)
+        seen.add(parent)
+    return flags
+
+
+def chain_tokens_on_path(path: list[int], flags: list[bool], chain_len: int) -> int:
+    """Tokens a chain of ``chain_len`` argmax drafts would have produced where the tree's
+    accepted ``path`` (node per depth, -1 after its end) was found: 1 + the path's leading
+    rank-0 nodes, at most ``chain_len``. With greedy sampling this is exact when the chain's
+    drafts equal the rank-0 children (the same head on the same context).
+
+    Example: path [0, 3, -1], flags [T, F, T, F, T], chain_len 4 -> 2 (node 3 is rank 1:
+    the chain drafted its rank-0 sibling 2 there, which was rejected)."""
+    leading = 0
+    for node in path:
+        if node < 0 or not flags[node] or leading == chain_len:
+            break
+        leading += 1
+    return 1 + leading
 
 
 @dataclass
 class _Bucket:
     steps: int = 0  # decisions taken in this bucket
-    samples: dict = field(default_factory=dict)  # shape -> deque of tokens per second
+    times: dict = field(default_factory=dict)  # shape -> deque of step seconds
+    tokens: deque = field(default_factory=lambda: deque(maxlen=TOKEN_SAMPLES))  # tree steps:
+    # (the tree's tokens, the chain's tokens on the same step)
 
     @property
     def rates(self) -> dict:
-        """shape -> the median of its recent samples (tokens per second)."""
-        return {shape: median(found) for shape, found in self.samples.items()}
+        """shape -> tokens per second on the recent tree steps' text (empty until both
+        shapes have a step time and the tree has tokens)."""
+        if len(self.times) < len(SHAPES) or not self.tokens:
+            return {}
+        return {"tree": mean(t for t, _ in self.tokens) / median(self.times["tree"]),
+                "chain": mean(c for _, c in self.tokens) / median(self.times["chain"])}
 
 
 class DraftShapeChooser:
@@ -74,7 +128,7 @@ class DraftShapeChooser:
     def faster(self, batch_size: int) -> str | None:
         """The shape measured faster in this batch's bucket, None before both were measured."""
         rates = self._bucket(batch_size).rates
-        if len(rates) < len(SHAPES):
+        if not rates:
             return None
         return "chain" if rates["chain"] > rates["tree"] else "tree"
 
@@ -90,11 +144,19 @@ class DraftShapeChooser:
             return SHAPES[1 - SHAPES.index(best)]
         return best
 
-    def record(self, batch_size: int, shape: str, num_tokens: int, seconds: float) -> None:
-        """One pure step of ``shape`` that emitted ``num_tokens`` in ``seconds``."""
+    def record(self, batch_size: int, shape: str, seconds: float, num_tokens: int = 0,
+               chain_tokens: int = 0) -> None:
+        """One pure step of ``shape`` that took ``seconds``; a tree step also gives the
+        tokens it produced and those the chain would have produced on it
+        (``chain_tokens_on_path`` summed over the batch)."""
         if shape not in SHAPES:
             raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
-        samples = self._bucket(batch_size).samples
-        if seconds <= 0 or num_tokens <= 0:
+        bucket = self._bucket(batch_size)
+        if shape == "tree" and not 0 < chain_tokens <= num_tokens:
+            raise ValueError(f"a tree step needs 0 < chain_tokens <= num_tokens, got "
+                             f"chain_tokens={chain_tokens}, num_tokens={num_tokens}")
+        if seconds <= 0:
             return
-        samples.setdefault(shape, deque(maxlen=SAMPLES)).append(num_tokens / seconds)
+        bucket.times.setdefault(shape, deque(maxlen=TIME_SAMPLES)).append(seconds)
+        if shape == "tree":
+            bucket.tokens.append((num_tokens, chain_tokens))

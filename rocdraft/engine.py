@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from rocdraft import envs
 from rocdraft.backends import registry
@@ -37,7 +36,7 @@ from rocdraft.drafter.eagle import EagleProposer
 from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets, graph_capture_refusal
 from rocdraft.drafter.tree_graphs import TreeLoopRunner
 from rocdraft.drafter.tree_index import host_depths
-from rocdraft.drafter.tree_spec import DynamicTree, draft_lookahead
+from rocdraft.drafter.tree_spec import DynamicTree, StaticTree, draft_lookahead
 from rocdraft.errors import RocdraftError
 from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_block,
                                 plan_kv_cache)
@@ -53,7 +52,7 @@ from rocdraft.scheduler import Scheduler, ScheduledRequest
 from rocdraft.step_batch import StepBatch, build_step_batch
 from rocdraft.step_costs import EngineParts, measure_step_costs
 from rocdraft.throughput_guard import ThroughputGuard
-from rocdraft.draft_shape import DraftShapeChooser
+from rocdraft.draft_shape import DraftShapeChooser, chain_tokens_on_path, rank0_flags
 from rocdraft.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
 from rocdraft.tree_step import compact_target_kv, head_inputs_after_tree, verify_tree_step
 
@@ -252,23 +251,24 @@ class LLMEngine:
         self.proposer.validate_kv_caches(self.draft_kv_caches)
         self.draft_graph_refusal = graph_capture_refusal(self.draft_backend, self.device,
                                                          spec.enforce_eager)
-        # A tree config under the cost policy, drafting eagerly, drafts per batch bucket the
-        # tree or a chain of min(k, depth), whichever measured faster (rocdraft/draft_shape.py).
+        # A tree config under the cost policy drafts per batch bucket the tree or a chain of
+        # min(k, depth), whichever measured faster (rocdraft/draft_shape.py); on a GPU both
+        # the tree levels and the chain's loop are captured.
         self.shape_chooser = DraftShapeChooser() if self.tree is not None \
-            and spec.draft_policy == "cost" and spec.draft_costs is None \
-            and self.draft_graph_refusal is not None else None
+            and spec.draft_policy == "cost" and spec.draft_costs is None else None
         if self.draft_graph_refusal is None and self.tree is not None:
             if self.proposer.tree_drafter.level_ends:  # a depth-1 tree has no level loop
                 self.proposer.tree_runner = TreeLoopRunner(
                     self.proposer.tree_drafter, self.draft_kv_caches,
                     self.head.config.hidden_size, self.scheduler_config.max_blocks_per_seq,
                     capture_buckets(max_num_seqs), use_graphs=True)
-        elif self.draft_graph_refusal is None and spec.num_speculative_tokens > 1:
+        if self.draft_graph_refusal is None and spec.num_speculative_tokens > 1 \
+                and (self.tree is None or self.shape_chooser is not None):
             self.proposer.graph_runner = DraftLoopRunner(
                 self.proposer, self.draft_kv_caches, self.head.config.hidden_size,
                 self.scheduler_config.max_blocks_per_seq, capture_buckets(max_num_seqs),
                 use_graphs=True)
-        else:
+        if self.draft_graph_refusal is not None:
             log.info("draft loop runs eagerly: %s", self.draft_graph_refusal)
 
     # --- the step API ----------------------------------------------------------------------
@@ -426,7 +426,7 @@ class LLMEngine:
         t4 = self._clock()
         sampled_cpu = sampled.tolist()  # the one device-to-host sync of a step
         drafts_cpu = drafts.tolist() if drafts is not None else None
-        if self.tree is not None and drafts_cpu is not None:  # (tokens, parents, scores)
+        if shape == "tree" and drafts_cpu is not None:  # (tokens, parents, scores)
             width = self.tree.num_nodes
             # Node scores feed only the cost-based tree budget.
             scores_cpu = tree_scores.tolist() \
@@ -434,22 +434,28 @@ class LLMEngine:
                 else [[]] * len(drafts_cpu)
             drafts_cpu = [(row[:int(row[-1])], row[width:width + int(row[-1])],
                            scores[:int(row[-1])]) for row, scores in zip(drafts_cpu, scores_cpu)]
-        paths = verified_tree.accepted_nodes.tolist() \
-            if verified_tree is not None and self.tree_acceptance is not None else None
+        paths = verified_tree.accepted_nodes.tolist() if verified_tree is not None and (
+            self.tree_acceptance is not None or self.shape_chooser is not None) else None
+        chain_tokens = self._chain_tokens(scheduled, batch, paths) \
+            if self.shape_chooser is not None and paths is not None else 0
         advanced = self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu,
                                          stats, num_drafts, paths)
         t5 = self._clock()
+        # Tokens the step produced, counted before a stop or max_tokens cut them short (a
+        # request's last step would otherwise make its shape look slow).
+        produced = sum(sum(t >= 0 for t in row)
+                       for row, samples in zip(sampled_cpu, batch.samples) if samples)
         if self.throughput_guard is not None and not has_prefill:
             verified = any(s.num_draft_tokens for s in scheduled)
             drafted = drafts is not None and num_drafts > 0
             if verified == drafted:  # a pure step of one mode: a sample
                 self.throughput_guard.record(len(scheduled), "spec" if drafted else "plain",
-                                             sum(len(t) for _, t in advanced), t5 - t0)
+                                             produced, t5 - t0)
         if self.shape_chooser is not None:
             if not has_prefill and shape is not None and shape == self.drafted_shape \
                     and any(s.num_draft_tokens for s in scheduled):  # a pure step of one shape
-                self.shape_chooser.record(len(scheduled), shape,
-                                          sum(len(t) for _, t in advanced), t5 - t0)
+                self.shape_chooser.record(len(scheduled), shape, t5 - t0, produced,
+                                          chain_tokens)
             self.drafted_shape = shape
         stats.num_steps += 1
         stats.time_s["bookkeeping"] += (t1 - t0) + (t5 - t4)
@@ -457,6 +463,21 @@ class LLMEngine:
         stats.time_s["sampler"] += t3 - t2
         stats.time_s["draft"] += t4 - t3
         return advanced
+
+    def _chain_tokens(self, scheduled: list[ScheduledRequest], batch: StepBatch,
+                      paths: list[list[int]]) -> int:
+        """Tokens the chain of min(k, depth) drafts would have produced on this tree step, over
+        the requests that sampled (rocdraft/draft_shape.py: ``chain_tokens_on_path``)."""
+        ranks = self.tree.ranks if isinstance(self.tree, StaticTree) else None
+        chain_len = min(self.config.speculative.num_speculative_tokens, self.tree.depth)
+        total = 0
+        for item, path, samples in zip(scheduled, paths, batch.samples):
+            parents = item.request.spec_parents[:item.num_draft_tokens]
+            # A chain beside trees (or no drafts): every node is its parent's only child.
+            flags = rank0_flags(parents, ranks) if parents else [True] * item.num_draft_tokens
+            if samples:
+                total += chain_tokens_on_path(path, flags, chain_len)
+        return total
 
     def drafts_per_request(self, batch_size: int) -> int:
         """The most drafts each request may verify next step: k, or fewer when
@@ -559,31 +580,22 @@ class LLMEngine:
         the nodes' scores [B, N] float32 for dynamic trees, else None). After a tree step
         the batch is first reordered root + accepted path first, which makes the head's
         first forward the chain's (padded, or unpadded on the host). The batch budget: the
-        configured one, or under the cost policy ``_tree_budget``'s. shape "chain": a chain
-        of min(k, depth) drafts in the tree format (parents -1, 0, 1, ...; no scores)."""
+        configured one, or under the cost policy ``_tree_budget``'s. shape "chain": chain
+        drafts [B, min(k, depth)] and no scores, verified next step as a chain."""
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
         args, rejected = self._head_inputs(batch, sampled, hidden)
         if shape == "chain":
-            return self._chain_as_tree(self.proposer.propose(
+            return self.proposer.propose(
                 *args, num_rejected=rejected,
                 num_drafts=min(self.config.speculative.num_speculative_tokens,
-                               self.tree.depth))), None
+                               self.tree.depth)), None
         budget = self.config.speculative.max_draft_tokens_per_step
         if self.tree_acceptance is not None:
             budget = self._tree_budget(batch.common.num_reqs)
         trees = self.proposer.propose_tree(*args, budget)
         packed = torch.cat([trees.tokens, trees.parents, trees.num_nodes.view(-1, 1)], dim=1)
         return packed, trees.scores
-
-    def _chain_as_tree(self, chain: torch.Tensor) -> torch.Tensor:
-        """Chain drafts [B, k] -> the packed tree rows [B, 2N + 1] of ``_propose_tree``."""
-        batch_size, k = chain.shape
-        pad = self.tree.num_nodes - k
-        parents = torch.arange(-1, k - 1, device=chain.device).expand(batch_size, k)
-        return torch.cat([F.pad(chain, (0, pad)), F.pad(parents, (0, pad), value=-1),
-                          torch.full((batch_size, 1), k, dtype=torch.long,
-                                     device=chain.device)], dim=1)
 
     def _tree_budget(self, batch_size: int) -> int | None:
         """The batch node budget of the trees drafted now (rocdraft/tree_budget.py): B * n*,
@@ -667,11 +679,12 @@ class LLMEngine:
                 scheduler.finish(req)
             elif drafts_cpu is not None and per_request:
                 room = max(min(self.max_model_len - req.num_tokens, per_request), 0)
-                if self.tree is not None:  # a BFS prefix of the tree is a tree
+                if isinstance(drafts_cpu[row], tuple):  # a BFS prefix of a tree is a tree
                     tokens, parents, scores = drafts_cpu[row]
                     req.spec_token_ids, req.spec_parents = tokens[:room], parents[:room]
                     req.spec_scores = scores[:room]
-                else:
+                else:  # a chain (also one drafted in tree mode: verified as a chain)
+                    req.clear_drafts()
                     req.spec_token_ids = drafts_cpu[row][:room]
         if verified and self.tree is None:
             self.acceptance.update(verified, accepted)

@@ -57,7 +57,9 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         ids += req.token_ids_slice(start, start + n - d)
         ids += req.spec_token_ids[:d]
         if is_tree:
-            parents = req.spec_parents[:d]
+            # A chain beside trees (drafted in tree mode, rocdraft/draft_shape.py, by a step
+            # that did not schedule the others): one child per level.
+            parents = req.spec_parents[:d] or list(range(-1, d - 1))
             tree_parents.append(parents)
             root = start + n - d - 1  # the last token before the drafts
             positions += range(start, root + 1)

@@ -7,7 +7,8 @@ import pytest
 
 from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
 from rocdraft.config import SamplingParams, SpeculativeConfig
-from rocdraft.draft_shape import EXPLORE_EVERY, PROBE_STEPS, SAMPLES, DraftShapeChooser
+from rocdraft.draft_shape import (EXPLORE_EVERY, PROBE_STEPS, TIME_SAMPLES, TOKEN_SAMPLES,
+                                  DraftShapeChooser, chain_tokens_on_path, rank0_flags)
 from rocdraft.engine import LLM
 
 PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11]
@@ -15,50 +16,81 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 STATIC = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"  # depth 4
 
 
+def force(chooser, faster: str, buckets=(1, 2, 4, 8)) -> None:
+    """Samples that make ``faster`` far faster in every bucket."""
+    for bucket in buckets:
+        chooser.buckets.pop(bucket, None)
+        chooser.record(bucket, "tree", 1.0 if faster == "chain" else 1e-9, 10, 5)
+        chooser.record(bucket, "chain", 1e-9 if faster == "chain" else 1.0)
+
+
 def test_until_both_are_measured_it_alternates_runs_of_probe_steps():
     chooser = DraftShapeChooser()
     shapes = [chooser.decide(4) for _ in range(4 * PROBE_STEPS)]
     assert shapes == (["tree"] * PROBE_STEPS + ["chain"] * PROBE_STEPS) * 2
-    chooser.record(4, "tree", 100, 1.0)  # one shape measured is not enough to choose
+    chooser.record(4, "tree", 1.0, 100, 60)  # one shape measured is not enough to choose
     assert chooser.faster(4) is None and chooser.decide(4) == "tree"
+    chooser.buckets[4].tokens.clear()
+    chooser.record(4, "chain", 1.0)  # both timed, but no tree tokens yet
+    assert chooser.faster(4) is None
 
 
 def test_docstring_example_the_faster_shape_with_probes_of_the_other():
     chooser = DraftShapeChooser()
-    chooser.record(8, "tree", 540, 1.0)
-    chooser.record(8, "chain", 690, 1.0)
+    # Tree steps: 40 tokens where the chain would have made 30 (gain 1.33), but a tree step
+    # takes 1.6x a chain step: 500 against 600 tok/s.
+    chooser.record(8, "tree", 0.08, 40, 30)
+    chooser.record(8, "chain", 0.05)
+    assert chooser.buckets[8].rates == pytest.approx({"tree": 500, "chain": 600})
     assert chooser.faster(8) == chooser.faster(5) == "chain"  # one bucket (8)
     assert chooser.faster(1) is None  # nothing measured in bucket 1
     shapes = [chooser.decide(8) for _ in range(3 * EXPLORE_EVERY)]
     assert [i for i, s in enumerate(shapes) if s == "tree"] == \
         [i for i in range(3 * EXPLORE_EVERY) if i % EXPLORE_EVERY >= EXPLORE_EVERY - PROBE_STEPS]
-    for _ in range(4):  # faster tree samples lift its average above the chain's
-        chooser.record(8, "tree", 1000, 1.0)
+    for _ in range(TOKEN_SAMPLES):  # a text where the tree's gain is 2: it wins
+        chooser.record(8, "tree", 0.08, 40, 20)
     assert chooser.faster(8) == "tree"
 
 
-def test_a_rate_is_the_median_of_recent_samples_so_one_slow_step_does_not_count():
+def test_tokens_are_compared_on_the_same_steps_and_times_take_the_median():
     chooser = DraftShapeChooser()
-    chooser.record(2, "tree", 5, 1.0)  # a first step that compiled a kernel: 5 tok/s
-    chooser.record(2, "chain", 100, 1.0)
-    for rate in (400, 410, 390):
-        chooser.record(2, "tree", rate, 1.0)
-    assert chooser.buckets[2].rates["tree"] == 395  # median of 5, 400, 410, 390
-    assert chooser.faster(2) == "tree"
-    for _ in range(SAMPLES):  # older samples leave the window
-        chooser.record(2, "tree", 50, 1.0)
-    assert chooser.buckets[2].rates["tree"] == 50 and chooser.faster(2) == "chain"
+    # Easy text during the tree's steps (6 tokens each, the chain would have made 5 there):
+    # a rate of the tree's own steps against chain steps on harder text would pick the tree.
+    for _ in range(4):
+        chooser.record(1, "tree", 0.030, 6, 5)
+        chooser.record(1, "chain", 0.017)
+    assert chooser.faster(1) == "chain"  # 6 / 0.030 < 5 / 0.017
+    chooser.record(1, "chain", 5.0)  # a step that compiled a kernel: 5 s
+    assert chooser.buckets[1].rates["chain"] == pytest.approx(5 / 0.017)
+    for _ in range(TIME_SAMPLES):  # older times leave the window
+        chooser.record(1, "chain", 0.5)
+    assert chooser.faster(1) == "tree"
+
+
+def test_rank0_flags_and_the_chain_tokens_of_a_path():
+    parents = [-1, -1, 0, 0, 1]  # a dynamic tree: children best first
+    assert rank0_flags(parents) == [True, False, True, False, True]
+    # A static tree lists ranks explicitly: (1,) before (0,) is allowed within a depth.
+    assert rank0_flags([-1, -1, 1], ranks=(1, 0, 0)) == [False, True, True]
+    flags = rank0_flags(parents)
+    assert chain_tokens_on_path([0, 3, -1], flags, 4) == 2  # node 3 is rank 1
+    assert chain_tokens_on_path([0, 2], flags, 4) == 3
+    assert chain_tokens_on_path([0, 2], flags, 1) == 2  # at most the chain's length
+    assert chain_tokens_on_path([1, 4], flags, 4) == 1  # the root's rank-1 child
+    assert chain_tokens_on_path([-1, -1], flags, 4) == 1
 
 
 def test_bad_samples_are_not_counted_and_bad_arguments_refused():
     chooser = DraftShapeChooser()
-    chooser.record(2, "tree", 0, 1.0)  # nothing emitted: no sample
-    chooser.record(2, "tree", 5, 0.0)
-    assert "tree" not in chooser.buckets[2].rates
+    chooser.record(2, "chain", 0.0)  # no time: no sample
+    assert "chain" not in chooser.buckets[2].times
     with pytest.raises(ValueError, match="shape must be one of .*, got 'plain'"):
-        chooser.record(2, "plain", 1, 1.0)
+        chooser.record(2, "plain", 1.0)
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         chooser.decide(0)
+    for tokens, chain in ((5, 0), (5, 6)):
+        with pytest.raises(ValueError, match=f"chain_tokens={chain}, num_tokens={tokens}"):
+            chooser.record(2, "tree", 1.0, tokens, chain)
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +114,12 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
     assert llm.last_stats.acceptance_length > 1.5
     rates = llm.shape_chooser.buckets[4].rates  # both shapes were measured at batch 4
     assert rates["tree"] > 0 and rates["chain"] > 0
+    tokens = llm.shape_chooser.buckets[4].tokens  # tree steps: its tokens >= the chain's
+    assert tokens and all(tree >= chain > 0 for tree, chain in tokens)
+    assert any(tree > chain for tree, chain in tokens)
     nodes = {}
-    for faster, slower in (("chain", "tree"), ("tree", "chain")):  # one shape far faster
-        for bucket in (1, 2, 4):
-            llm.shape_chooser.buckets[bucket] = type(llm.shape_chooser.buckets[4])(
-                samples={faster: [1e12], slower: [1.0]})
+    for faster in ("chain", "tree"):  # one shape far faster
+        force(llm.shape_chooser, faster)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
         stats = llm.last_stats
         assert stats.acceptance_length > 1.5

@@ -128,6 +128,34 @@ def test_tree_speculation_with_captured_levels_equals_target_only(pair, backend,
     assert llm.last_stats.acceptance_length > 1.5
 
 
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "TRITON_ATTN"])
+def test_tree_config_drafting_chains_replays_the_captured_chain_loop(pair, backend):
+    """A tree config under the cost policy may draft chains (rocdraft/draft_shape.py): on a
+    GPU their loop replays the captured chain graphs beside the captured tree levels."""
+    from rocdraft.engine import LLM
+
+    reason = _runnable(backend)
+    if reason:
+        pytest.skip(f"{backend} cannot run here: {reason}")
+    kwargs = dict(device="cuda", dtype="float32", attention_backend=backend, max_num_seqs=8)
+    reference = [o.token_ids for o in LLM(pair["target"], **kwargs).generate(PROMPTS, GREEDY)]
+    llm = LLM(pair["target"], draft=pair["eagle3"], speculative_config=SpeculativeConfig(
+        "eagle3", 4, tree_depth=4, tree_top_k=3, tree_total_tokens=10), **kwargs)
+    chooser, runner = llm.shape_chooser, llm.proposer.graph_runner
+    assert chooser is not None and runner is not None and set(runner.graphs)
+    assert llm.proposer.tree_runner is not None
+    for bucket in (1, 2, 4, 8):  # the chain measured far faster everywhere
+        chooser.record(bucket, "tree", 1.0, 10, 5)
+        chooser.record(bucket, "chain", 1e-9)
+    replays = []
+    original = runner.run
+    runner.run = lambda *args: replays.append(1) or original(*args)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    stats = llm.last_stats
+    assert replays and stats.acceptance_length > 1.5
+    assert stats.num_verified_nodes == 4 * stats.num_verify_steps  # chains of 4
+
+
 def test_fused_draft_step_on_device_equals_reference():
     from rocdraft.drafter.index_math import advance_draft_step
     from rocdraft.drafter.step_update import DraftStepIndexer

@@ -241,6 +241,21 @@ def test_tree_rows_get_depth_positions_sequential_slots_and_a_per_request_mask()
     assert mask[1].all()
 
 
+def test_a_chain_beside_a_tree_gets_one_child_per_level():
+    """Tree mode may draft a chain for some requests (rocdraft/draft_shape.py) while another
+    still holds a tree from an earlier step: the chain rides along as parents -1, 0, 1."""
+    tree = make_request(0, [1, 2, 3], [4], 3, [6, 7], drafts=[50, 51, 52])
+    tree.spec_parents = [-1, -1, 0]
+    chain = make_request(1, [5, 6], [7], 2, [8], drafts=[60, 61])
+    batch = build_step_batch([ScheduledRequest(tree, 4, 3), ScheduledRequest(chain, 3, 2)],
+                             max_blocks_per_seq=2, block_size=BLOCK_SIZE, device="cpu")
+    assert batch.positions.tolist() == [3, 4, 4, 5, 2, 3, 4]  # the chain: L, L + 1, L + 2
+    assert batch.draft_parents.tolist() == [[-1, -1, 0], [-1, 0, -1]]
+    # Its 3 queries use the last 3 mask rows over the last 4 keys: causal.
+    assert batch.common.spec_mask[1, 1:].int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 0],
+                                                             [1, 1, 1, 1]]
+
+
 def test_tree_verification_logits_equal_each_path_run_alone(tiny_target, attention_backend):
     """A verify step with two trees (different context lengths, one non-uniform) and a
     3-token prompt chunk (shorter than the mask) in one target forward: each node's logits
