@@ -228,6 +228,8 @@ class LLMEngine:
         # Draft-count policy state: running acceptance per position, step costs per bucket.
         self.acceptance = AcceptanceTracker(spec.num_speculative_tokens, spec.acceptance_prior)
         self.step_costs: dict[int, StepCosts] = {}
+        # A tree config's chains (rocdraft/draft_shape.py): the chain's costs per bucket.
+        self.chain_step_costs: dict[int, StepCosts] = {}
         self.given_step_costs = StepCosts(*spec.draft_costs) if spec.draft_costs else None
         self.policy_steps = 0  # steps the cost policy chose for (drives its exploration)
         # Chains under the cost policy with measured costs: speculation is vetoed where it is
@@ -515,17 +517,31 @@ class LLMEngine:
             choice = self.throughput_guard.decide(batch_size, choice, cap)
         return choice
 
-    def _costs_for(self, batch_size: int) -> StepCosts | None:
-        """The given costs, else those of the batch's bucket, else the nearest measured."""
+    def _costs_for(self, batch_size: int, measured: dict | None = None) -> StepCosts | None:
+        """The given costs, else those of the batch's bucket in ``measured`` (default
+        ``step_costs``), else the nearest measured."""
         if self.given_step_costs is not None:
             return self.given_step_costs
-        if not self.step_costs:
+        measured = self.step_costs if measured is None else measured
+        if not measured:
             return None
         bucket = batch_bucket(batch_size)
-        if bucket in self.step_costs:
-            return self.step_costs[bucket]
-        below = [b for b in self.step_costs if b <= bucket]
-        return self.step_costs[max(below) if below else min(self.step_costs)]
+        if bucket in measured:
+            return measured[bucket]
+        below = [b for b in measured if b <= bucket]
+        return measured[max(below) if below else min(measured)]
+
+    def _chain_drafts_in_tree_mode(self, batch_size: int) -> int:
+        """Drafts of a chain a tree config drafts now (rocdraft/draft_shape.py): at most
+        min(k, depth), under the cost policy the count maximising expected tokens per second
+        from the chain's measured costs and acceptance (at least 1)."""
+        cap = min(self.config.speculative.num_speculative_tokens, self.tree.depth)
+        costs = self._costs_for(batch_size, self.chain_step_costs)
+        if costs is None:
+            return cap
+        self.policy_steps += 1
+        return max(1, choose_num_drafts(costs, self.acceptance.rates, batch_size, cap,
+                                        explore=self.policy_steps % EXPLORE_EVERY == 0))
 
     def measure_step_costs(self) -> None:
         """Measure the cost policy's step costs of every batch bucket up to max_num_seqs now
@@ -541,27 +557,36 @@ class LLMEngine:
         ``batch_size`` (default: the largest batch this scheduler's queue can form), while no
         request holds KV blocks (the dummy forwards may then write anywhere in the caches)."""
         spec = self.config.speculative
-        if spec.draft_policy != "cost" or self.given_step_costs is not None \
-                or (self.tree is not None and self.tree_acceptance is None) \
+        # What is measured: the chain's costs (a chain config, or a tree config that may
+        # draft chains) and the dynamic tree's (its batch budget).
+        tables = [(table, chain) for table, chain, wanted in (
+            (self.step_costs, self.tree is None, self.tree is None
+             or self.tree_acceptance is not None),
+            (self.chain_step_costs, True, self.tree is not None
+             and self.shape_chooser is not None)) if wanted]
+        if spec.draft_policy != "cost" or self.given_step_costs is not None or not tables \
                 or scheduler.running \
                 or scheduler.allocator.num_free_blocks != self.scheduler_config.num_blocks:
             return
         wanted = len(scheduler.waiting) if batch_size is None else batch_size
         largest = batch_bucket(min(max(wanted, 1), self.scheduler_config.max_num_seqs))
-        missing = [1 << i for i in range(largest.bit_length()) if 1 << i not in self.step_costs]
-        if not missing:
-            return
-        start = time.perf_counter()
-        for bucket in missing:
-            self.step_costs[bucket] = measure_step_costs(self._engine_parts(), bucket)
-        log.info("draft policy: measured step costs of batch buckets %s in %.2f s", missing,
-                 time.perf_counter() - start)
+        start, measured = time.perf_counter(), set()
+        for table, chain in tables:
+            for bucket in (1 << i for i in range(largest.bit_length())):
+                if bucket not in table:
+                    table[bucket] = measure_step_costs(self._engine_parts(chain), bucket)
+                    measured.add(bucket)
+        if measured:
+            log.info("draft policy: measured step costs of batch buckets %s in %.2f s",
+                     sorted(measured), time.perf_counter() - start)
 
-    def _engine_parts(self) -> EngineParts:
+    def _engine_parts(self, chain: bool = False) -> EngineParts:
+        """The measured parts; ``chain``: the chain's steps even in a tree config."""
+        tree = self.tree if self.tree_acceptance is not None and not chain else None
         return EngineParts(self.target, self.builder, self.kv_caches, self.aux_layer_ids,
                            self.proposer, self.draft_kv_caches, self.scheduler_config,
                            self.max_model_len, self.config.speculative.num_speculative_tokens,
-                           self.device, self.tree if self.tree_acceptance is not None else None)
+                           self.device, tree)
 
     def _propose(self, batch: StepBatch, sampled: torch.Tensor, hidden,
                  num_drafts: int | None = None) -> torch.Tensor:
@@ -581,15 +606,15 @@ class LLMEngine:
         the batch is first reordered root + accepted path first, which makes the head's
         first forward the chain's (padded, or unpadded on the host). The batch budget: the
         configured one, or under the cost policy ``_tree_budget``'s. shape "chain": chain
-        drafts [B, min(k, depth)] and no scores, verified next step as a chain."""
+        drafts [B, n <= min(k, depth)] (``_chain_drafts_in_tree_mode``) and no scores,
+        verified next step as a chain."""
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
         args, rejected = self._head_inputs(batch, sampled, hidden)
         if shape == "chain":
             return self.proposer.propose(
                 *args, num_rejected=rejected,
-                num_drafts=min(self.config.speculative.num_speculative_tokens,
-                               self.tree.depth)), None
+                num_drafts=self._chain_drafts_in_tree_mode(batch.common.num_reqs)), None
         budget = self.config.speculative.max_draft_tokens_per_step
         if self.tree_acceptance is not None:
             budget = self._tree_budget(batch.common.num_reqs)
@@ -666,8 +691,9 @@ class LLMEngine:
                 stats.record_verification(positions, num_accepted, item.num_draft_tokens)
                 req.num_verify_steps += 1
                 req.num_accepted_drafts += num_accepted
-                verified.append(item.num_draft_tokens)
-                accepted.append(num_accepted)
+                if not req.spec_parents:  # a chain (also in tree mode): chain acceptance
+                    verified.append(item.num_draft_tokens)
+                    accepted.append(num_accepted)
                 if req.spec_scores:  # stored only for the cost-based tree budget
                     tree_rows.append((req.spec_scores[:item.num_draft_tokens],
                                       accepted_nodes[row][:num_accepted]))
@@ -686,7 +712,7 @@ class LLMEngine:
                 else:  # a chain (also one drafted in tree mode: verified as a chain)
                     req.clear_drafts()
                     req.spec_token_ids = drafts_cpu[row][:room]
-        if verified and self.tree is None:
+        if verified:
             self.acceptance.update(verified, accepted)
         if tree_rows:
             self.tree_acceptance.observe(tree_rows)

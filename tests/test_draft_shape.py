@@ -7,7 +7,8 @@ import pytest
 
 from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
 from rocdraft.config import SamplingParams, SpeculativeConfig
-from rocdraft.draft_shape import (EXPLORE_EVERY, PROBE_STEPS, TIME_SAMPLES, TOKEN_SAMPLES,
+from rocdraft.draft_policy import StepCosts
+from rocdraft.draft_shape import (EXPLORE_EVERY, MAX_CYCLE, PROBE_STEPS, TIME_SAMPLES, TOKEN_SAMPLES,
                                   DraftShapeChooser, chain_tokens_on_path, rank0_flags)
 from rocdraft.engine import LLM
 
@@ -44,12 +45,26 @@ def test_docstring_example_the_faster_shape_with_probes_of_the_other():
     assert chooser.buckets[8].rates == pytest.approx({"tree": 500, "chain": 600})
     assert chooser.faster(8) == chooser.faster(5) == "chain"  # one bucket (8)
     assert chooser.faster(1) is None  # nothing measured in bucket 1
-    shapes = [chooser.decide(8) for _ in range(3 * EXPLORE_EVERY)]
+    shapes = [chooser.decide(8) for _ in range(125)]
+    cycle = round(EXPLORE_EVERY * 1.2 ** 2)  # 46: probes of a slower shape are rarer
+    first = EXPLORE_EVERY - PROBE_STEPS
     assert [i for i, s in enumerate(shapes) if s == "tree"] == \
-        [i for i in range(3 * EXPLORE_EVERY) if i % EXPLORE_EVERY >= EXPLORE_EVERY - PROBE_STEPS]
+        [first + c * cycle + j for c in range(3) for j in range(PROBE_STEPS)] \
+        == [29, 30, 31, 75, 76, 77, 121, 122, 123]
     for _ in range(TOKEN_SAMPLES):  # a text where the tree's gain is 2: it wins
         chooser.record(8, "tree", 0.08, 40, 20)
     assert chooser.faster(8) == "tree"
+
+
+def test_probe_cycle_grows_with_the_square_of_the_speed_ratio_up_to_a_bound():
+    for ratio, cycle in ((1.0, EXPLORE_EVERY), (2.0, 4 * EXPLORE_EVERY), (100.0, MAX_CYCLE)):
+        chooser = DraftShapeChooser()
+        chooser.record(2, "tree", 1.0, 10, 10)
+        chooser.record(2, "chain", 1.0 / ratio)
+        shapes = [chooser.decide(2) for _ in range(EXPLORE_EVERY + cycle)]
+        probes = [i for i, s in enumerate(shapes) if s != shapes[0]]  # shapes[0]: the faster
+        assert probes[::PROBE_STEPS] == [EXPLORE_EVERY - PROBE_STEPS,
+                                         EXPLORE_EVERY - PROBE_STEPS + cycle], ratio
 
 
 def test_tokens_are_compared_on_the_same_steps_and_times_take_the_median():
@@ -126,8 +141,18 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
         nodes[faster] = stats.num_verified_nodes / stats.num_verify_steps
         if faster == "chain":  # a chain, not a flat tree: drafts past depth 1 are accepted
             assert sum(stats.accepted_at_position[1:]) > 0, stats.accepted_at_position
-    # Chains of min(k, depth) = 3 drafts (no probe in so few steps); trees of up to 7 nodes.
-    assert nodes["chain"] == 3 and nodes["tree"] > 4, nodes
+    # Chains of at most min(k, depth) = 3 drafts, as many as the chain's measured costs and
+    # acceptance make fastest (no probe in so few steps); trees of up to 7 nodes.
+    assert 1 <= nodes["chain"] <= 3 and nodes["tree"] > 4, nodes
+    assert set(llm.chain_step_costs) == {1, 2, 4}  # the chain's costs, measured per bucket
+    force(llm.shape_chooser, "chain")
+    for drafts, per_draft in ((3, 0.0), (1, 1.0)):  # drafting free, then dear
+        llm.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 0.0, 0.0,
+                                                                  per_draft))
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+        stats = llm.last_stats
+        # (the policy's exploration lengthens a few chains by one)
+        assert drafts <= stats.num_verified_nodes / stats.num_verify_steps < drafts + 0.5
 
 
 def test_fixed_policy_and_given_costs_draft_only_the_tree(pair):
