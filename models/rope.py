@@ -20,8 +20,9 @@ for positions ``0 .. table_len - 1`` are computed once per dtype by the same ops
 ``forward`` (elementwise, so row ``p`` equals a fresh computation for position ``p`` bit for
 bit) and rows are taken with ``index_select`` (2 ops a step instead of ~15). Positions on the
 CPU grow the table on demand; positions on an accelerator are looked up only within
-``max_positions`` rows reserved up front (a bound check would sync with the host and break
-graph capture), else computed fresh as before.
+``max_positions`` rows reserved up front (``reserve_positions``; a bound check would sync with
+the host and break graph capture: positions are clamped to the table on the device), else
+computed fresh as before.
 """
 from __future__ import annotations
 
@@ -202,7 +203,21 @@ class RotaryEmbedding(nn.Module):
         built = self._tables_of is self.inv_freq and dtype in self._tables
         if self.max_positions is None or (_capturing(positions.device) and not built):
             return self._fresh_tables(positions, dtype)  # no host-side bound check here
-        return self._lookup(self._table(dtype, self.max_positions), positions)
+        # Clamped on the device (no host check): a position past the reserved rows (only
+        # graph padding rows, which write nothing) reads the last row instead of faulting.
+        return self._lookup(self._table(dtype, self.max_positions),
+                            positions.clamp(0, self.max_positions - 1))
+
+
+def reserve_positions(model: nn.Module, max_positions: int) -> None:
+    """Reserve table rows for positions 0 .. max_positions - 1 in every RotaryEmbedding of
+    ``model``, so that accelerator steps look their rows up (the engine passes
+    max_model_len + 1: graph padding rows sit at max_model_len)."""
+    if max_positions < 1:
+        raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.max_positions = max_positions
 
 
 def _capturing(device: torch.device) -> bool:

@@ -42,6 +42,7 @@ from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_bloc
                                 plan_kv_cache)
 from rocdraft.loading import load_draft_head, load_target_model
 from rocdraft.models.compiled_regions import compile_backend, compiled_regions
+from rocdraft.models.rope import reserve_positions
 from rocdraft.outputs import GenerationStats, RequestOutput
 from rocdraft.platform import detect_platform
 from rocdraft.prompts import prompt_error, tokenize_prompt
@@ -140,6 +141,8 @@ class LLMEngine:
         if cfg.sliding_window:  # attention here is full: stay where that equals the window's
             self.max_model_len = min(self.max_model_len, cfg.sliding_window)
         self.builder = self.backend.builder_cls(device)
+        if device != "cpu" and isinstance(self.target, torch.nn.Module):
+            reserve_positions(self.target, self.max_model_len + 1)  # RoPE rows looked up
         self.head, self.draft_backend, self.proposer = None, None, None
         self.tree_acceptance = None  # the dynamic tree's cost-based budget (_setup_drafter)
         self.throughput_guard = None  # the cost policy's realized-throughput veto (idem)
@@ -217,6 +220,8 @@ class LLMEngine:
             arch=arch, features=(Feature.TREE_DRAFTING,) if self.tree is not None else ())
         if self.compile_backend is not None:
             self.head.regions = compiled_regions(self.compile_backend)
+        if self.device != "cpu":
+            reserve_positions(self.head, self.max_model_len + 1)
         self.draft_backend, self.draft_backend_reason = draft_selection.backend, \
             draft_selection.reason
         log.info("draft attention backend %s: %s", self.draft_backend.name,

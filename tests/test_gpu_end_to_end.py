@@ -132,6 +132,7 @@ def test_tree_speculation_with_captured_levels_equals_target_only(pair, backend,
 def test_tree_config_drafting_chains_replays_the_captured_chain_loop(pair, backend):
     """A tree config under the cost policy may draft chains (rocdraft/draft_shape.py): on a
     GPU their loop replays the captured chain graphs beside the captured tree levels."""
+    from rocdraft.draft_policy import StepCosts
     from rocdraft.engine import LLM
 
     reason = _runnable(backend)
@@ -147,6 +148,8 @@ def test_tree_config_drafting_chains_replays_the_captured_chain_loop(pair, backe
     for bucket in (1, 2, 4, 8):  # the chain measured far faster everywhere
         chooser.record(bucket, "tree", 1.0, 10, 5)
         chooser.record(bucket, "chain", 1e-9)
+    # Drafting costs nothing: the chain's cost policy drafts all 4 (the captured length).
+    llm.chain_step_costs = dict.fromkeys((1, 2, 4, 8), StepCosts(1.0, 0.0, 0.0, 0.0, 0.0))
     replays = []
     original = runner.run
     runner.run = lambda *args: replays.append(1) or original(*args)

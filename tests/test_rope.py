@@ -14,7 +14,7 @@ from rocdraft.backends.registry import get_backend
 from rocdraft.models.config import ModelConfig
 from rocdraft.models.llama import LlamaForCausalLM
 from rocdraft.models.rope import (RotaryEmbedding, apply_rotary, apply_rotary_tables,
-                                  compute_inv_freq)
+                                  compute_inv_freq, reserve_positions)
 
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -189,6 +189,29 @@ def test_step_tables_follow_inv_freq_and_odd_positions():
                          rope._fresh_tables(negative, torch.float32))
     empty = rope.tables(torch.zeros(0, dtype=torch.long), torch.float32)
     assert empty.cos.shape == (0, 1, 16)
+
+
+def test_reserve_positions_sets_every_rotary_embedding_and_refuses_bad_counts():
+    model = torch.nn.ModuleList([RotaryEmbedding(16, 1e4, None), torch.nn.Linear(2, 2),
+                                 torch.nn.Sequential(RotaryEmbedding(8, 1e4, None))])
+    reserve_positions(model, 129)
+    assert [m.max_positions for m in model.modules() if isinstance(m, RotaryEmbedding)] \
+        == [129, 129]
+    with pytest.raises(ValueError, match="max_positions must be >= 1, got 0"):
+        reserve_positions(model, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (none visible)")
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_accelerator_lookups_equal_fresh_rows_and_clamp_padding_positions(dtype):
+    rope = RotaryEmbedding(64, 1e4, None, device="cuda", max_positions=1025)
+    positions = torch.tensor([0, 7, 513, 1024], device="cuda")
+    _assert_tables_equal(rope.tables(positions, dtype), rope._fresh_tables(positions, dtype))
+    assert rope._tables[dtype].cos.shape[0] == 1025  # looked up, not computed fresh
+    past = rope.tables(torch.tensor([1024, 5000], device="cuda"), dtype)  # padding past it
+    _assert_tables_equal(past, rope._fresh_tables(torch.tensor([1024, 1024], device="cuda"),
+                                                  dtype))
 
 
 @pytest.mark.parametrize("head_dim, section", [(16, [2, 3, 3]), (128, [16, 24, 24])])
