@@ -391,6 +391,9 @@ def _system_figures(speedup: float, stats_sum: dict, identical: bool | None,
                "time_split": split}
     if tree_kind is not None:
         figures["per_depth_acceptance"] = per_position
+        # The rest verified chains the tree-or-chain chooser drafted (draft_shape.py).
+        figures["tree_step_share"] = round(stats_sum["tree_steps"]
+                                           / max(stats_sum["steps"], 1), 3)
     if identical is not None:
         figures["greedy_outputs_identical"] = identical
     return figures
@@ -398,8 +401,9 @@ def _system_figures(speedup: float, stats_sum: dict, identical: bool | None,
 
 def _merge(acc, stats) -> dict:
     """Accumulate acceptance counters and time over repeated runs."""
-    acc = acc or {"accepted": 0, "steps": 0, "nodes": 0, "acc_pos": None, "prop_pos": None,
-                  "time_s": {k: 0.0 for k in stats.time_s}}
+    acc = acc or {"accepted": 0, "steps": 0, "nodes": 0, "tree_steps": 0, "acc_pos": None,
+                  "prop_pos": None, "time_s": {k: 0.0 for k in stats.time_s}}
+    acc["tree_steps"] += stats.num_tree_verify_steps
     acc["accepted"] += stats.num_accepted_drafts
     acc["nodes"] += stats.num_verified_nodes
     acc["steps"] += stats.num_verify_steps
@@ -445,7 +449,9 @@ def _print_table(report: dict) -> None:
                                                       else "NO")
             print(f"       {cfg['systems'][name]}: acceptance length "
                   f"{f['acceptance_length']:.2f} (per {where} {per}), "
-                  f"{f['nodes_per_verify_step']:.1f} drafts verified per step; time split: "
+                  f"{f['nodes_per_verify_step']:.1f} drafts verified per step"
+                  + (f" ({f['tree_step_share']:.0%} of them trees)" if f["tree_kind"] else "")
+                  + "; time split: "
                   + ", ".join(f"{k} {v:.0%}" for k, v in f["time_split"].items()) + same)
         if "hf_generate_mismatches" in r:
             print(f"       greedy outputs: target-only vs HF generate: "

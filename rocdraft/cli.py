@@ -177,6 +177,7 @@ def run_generate(args) -> int:
         "num_verify_steps": stats.num_verify_steps,
         "tree": tree_description(llm.config.speculative),
         "nodes_per_verify_step": round(stats.nodes_per_verify_step, 4),
+        "num_tree_verify_steps": stats.num_tree_verify_steps,
     }
     if args.json:
         print(json.dumps({"outputs": [

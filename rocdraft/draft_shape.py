@@ -44,8 +44,12 @@ engine captures both the tree levels and the chain's draft loop (the chain of k 
 shorter one, depth < k, runs eagerly), so each shape is measured at its captured speed.
 
 Decision (``decide``), per step of a bucket numbered i = 0, 1, ...:
-- until both shapes have a rate: the shape of i // PROBE_STEPS (even: tree, odd: chain),
-  i.e. runs of PROBE_STEPS steps, which hold PROBE_STEPS - 1 pure samples each;
+- until both shapes have MIN_TIME_SAMPLES step times and the tree has tokens: the shape of
+  i // PROBE_STEPS (even: tree, odd: chain), i.e. runs of PROBE_STEPS steps, which hold
+  PROBE_STEPS - 1 pure samples each (a median of two samples is their mean: one step that
+  compiled a kernel would decide the choice for a whole cycle; on an H200 a static tree
+  config drafted trees on a third of its batch-8 steps, at 1.46x target-only where the
+  chain gave 2.22x);
 - then the faster shape, except runs of PROBE_STEPS steps of the other one that keep its
   figures current: the first at steps EXPLORE_EVERY - PROBE_STEPS .. EXPLORE_EVERY - 1, each
   next one a cycle later, the cycle EXPLORE_EVERY x (faster rate / slower rate)^2 steps (at
@@ -67,6 +71,7 @@ from rocdraft.draft_policy import batch_bucket
 SHAPES = ("tree", "chain")
 TIME_SAMPLES = 5  # a shape's step time: the median of its last TIME_SAMPLES pure steps
 TOKEN_SAMPLES = 16  # the tree's gain: over its last TOKEN_SAMPLES pure steps
+MIN_TIME_SAMPLES = 3  # step times per shape before a choice
 PROBE_STEPS = 3  # a run of one shape: PROBE_STEPS - 1 pure samples
 EXPLORE_EVERY = 32  # steps between probes of the slower shape at equal rates
 MAX_CYCLE = 512  # at most this many steps between probes
@@ -116,8 +121,9 @@ class _Bucket:
     @property
     def rates(self) -> dict:
         """shape -> tokens per second on the recent tree steps' text (empty until both
-        shapes have a step time and the tree has tokens)."""
-        if len(self.times) < len(SHAPES) or not self.tokens:
+        shapes have MIN_TIME_SAMPLES step times and the tree has tokens)."""
+        if len(self.times) < len(SHAPES) or not self.tokens \
+                or min(len(found) for found in self.times.values()) < MIN_TIME_SAMPLES:
             return {}
         return {"tree": mean(t for t, _ in self.tokens) / median(self.times["tree"]),
                 "chain": mean(c for _, c in self.tokens) / median(self.times["chain"])}

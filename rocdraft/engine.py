@@ -693,6 +693,7 @@ class LLMEngine:
                 positions = item.num_draft_tokens
                 if req.spec_parents:  # a tree: its depth is the positions it could accept
                     positions = host_depths(req.spec_parents)[-1]
+                    stats.num_tree_verify_steps += 1
                 stats.record_verification(positions, num_accepted, item.num_draft_tokens)
                 req.num_verify_steps += 1
                 req.num_accepted_drafts += num_accepted

@@ -38,6 +38,8 @@ class GenerationStats:
     num_accepted_drafts: int = 0
     num_preemptions: int = 0
     num_verified_nodes: int = 0  # drafts verified (chain drafts or tree nodes), all steps
+    # Request-steps that verified a tree (a tree config may draft chains: draft_shape.py).
+    num_tree_verify_steps: int = 0
     accepted_at_position: list[int] = field(default_factory=list)
     proposed_at_position: list[int] = field(default_factory=list)
     time_s: dict[str, float] = field(default_factory=lambda: {
@@ -51,7 +53,8 @@ class GenerationStats:
     def merge(self, other: "GenerationStats") -> None:
         """Add ``other``'s counters and times to these (same number of positions)."""
         for name in ("generated_tokens", "num_steps", "num_verify_steps",
-                     "num_accepted_drafts", "num_preemptions", "num_verified_nodes"):
+                     "num_accepted_drafts", "num_preemptions", "num_verified_nodes",
+                     "num_tree_verify_steps"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.accepted_at_position, other.accepted_at_position),
                              (self.proposed_at_position, other.proposed_at_position)):

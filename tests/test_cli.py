@@ -23,7 +23,7 @@ OUTPUT_KEYS = {"prompt_token_ids", "token_ids", "text", "finish_reason"}
 STATS_KEYS = {"method", "attention_backend", "device", "dtype", "generated_tokens", "elapsed_s",
               "tokens_per_s", "num_speculative_tokens", "draft_attention_backend",
               "acceptance_length", "per_position_acceptance", "num_verify_steps", "tree",
-              "nodes_per_verify_step"}
+              "nodes_per_verify_step", "num_tree_verify_steps"}
 PROMPT_A = "1,5,6,7"
 PROMPT_B = "1,30,31,32,33,34,35,36"
 MAX_POSITIONS = 256  # TINY max_position_embeddings
@@ -240,6 +240,7 @@ def test_tree_generate_json_stats_and_lossless(capsys, ckpt, tree_args, tree):
     nodes = 5  # the static list has 5 nodes; total_tokens 6 keeps 5
     assert len(stats["per_position_acceptance"]) == depth  # per depth for trees
     assert stats["num_verify_steps"] > 0
+    assert 0 < stats["num_tree_verify_steps"] <= stats["num_verify_steps"]  # drafts trees first
     assert 0 < stats["nodes_per_verify_step"] <= nodes
     assert 1.0 <= stats["acceptance_length"] <= depth + 1
     rc, out, err = run_cli(capsys, "generate", *args, "--draft", ckpt["eagle3"], *tree_args)

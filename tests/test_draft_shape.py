@@ -8,8 +8,9 @@ import pytest
 from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
 from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.draft_policy import StepCosts
-from rocdraft.draft_shape import (EXPLORE_EVERY, MAX_CYCLE, PROBE_STEPS, TIME_SAMPLES, TOKEN_SAMPLES,
-                                  DraftShapeChooser, chain_tokens_on_path, rank0_flags)
+from rocdraft.draft_shape import (EXPLORE_EVERY, MAX_CYCLE, MIN_TIME_SAMPLES, PROBE_STEPS,
+                                  TIME_SAMPLES, TOKEN_SAMPLES, DraftShapeChooser,
+                                  chain_tokens_on_path, rank0_flags)
 from rocdraft.engine import LLM
 
 PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11]
@@ -21,18 +22,24 @@ def force(chooser, faster: str, buckets=(1, 2, 4, 8)) -> None:
     """Samples that make ``faster`` far faster in every bucket."""
     for bucket in buckets:
         chooser.buckets.pop(bucket, None)
-        chooser.record(bucket, "tree", 1.0 if faster == "chain" else 1e-9, 10, 5)
-        chooser.record(bucket, "chain", 1e-9 if faster == "chain" else 1.0)
+        for _ in range(MIN_TIME_SAMPLES):
+            chooser.record(bucket, "tree", 1.0 if faster == "chain" else 1e-9, 10, 5)
+            chooser.record(bucket, "chain", 1e-9 if faster == "chain" else 1.0)
 
 
 def test_until_both_are_measured_it_alternates_runs_of_probe_steps():
     chooser = DraftShapeChooser()
     shapes = [chooser.decide(4) for _ in range(4 * PROBE_STEPS)]
     assert shapes == (["tree"] * PROBE_STEPS + ["chain"] * PROBE_STEPS) * 2
-    chooser.record(4, "tree", 1.0, 100, 60)  # one shape measured is not enough to choose
+    for _ in range(MIN_TIME_SAMPLES):  # one shape measured is not enough to choose
+        chooser.record(4, "tree", 1.0, 100, 60)
     assert chooser.faster(4) is None and chooser.decide(4) == "tree"
-    chooser.buckets[4].tokens.clear()
-    chooser.record(4, "chain", 1.0)  # both timed, but no tree tokens yet
+    for _ in range(MIN_TIME_SAMPLES - 1):  # nor too few times of the other (a median of
+        chooser.record(4, "chain", 1.0)  # two is their mean)
+    assert chooser.faster(4) is None
+    chooser.record(4, "chain", 1.0)
+    assert chooser.faster(4) == "tree"  # 100 against 60 tokens in equal times
+    chooser.buckets[4].tokens.clear()  # both timed, but no tree tokens
     assert chooser.faster(4) is None
 
 
@@ -40,8 +47,9 @@ def test_docstring_example_the_faster_shape_with_probes_of_the_other():
     chooser = DraftShapeChooser()
     # Tree steps: 40 tokens where the chain would have made 30 (gain 1.33), but a tree step
     # takes 1.6x a chain step: 500 against 600 tok/s.
-    chooser.record(8, "tree", 0.08, 40, 30)
-    chooser.record(8, "chain", 0.05)
+    for _ in range(MIN_TIME_SAMPLES):
+        chooser.record(8, "tree", 0.08, 40, 30)
+        chooser.record(8, "chain", 0.05)
     assert chooser.buckets[8].rates == pytest.approx({"tree": 500, "chain": 600})
     assert chooser.faster(8) == chooser.faster(5) == "chain"  # one bucket (8)
     assert chooser.faster(1) is None  # nothing measured in bucket 1
@@ -59,8 +67,9 @@ def test_docstring_example_the_faster_shape_with_probes_of_the_other():
 def test_probe_cycle_grows_with_the_square_of_the_speed_ratio_up_to_a_bound():
     for ratio, cycle in ((1.0, EXPLORE_EVERY), (2.0, 4 * EXPLORE_EVERY), (100.0, MAX_CYCLE)):
         chooser = DraftShapeChooser()
-        chooser.record(2, "tree", 1.0, 10, 10)
-        chooser.record(2, "chain", 1.0 / ratio)
+        for _ in range(MIN_TIME_SAMPLES):
+            chooser.record(2, "tree", 1.0, 10, 10)
+            chooser.record(2, "chain", 1.0 / ratio)
         shapes = [chooser.decide(2) for _ in range(EXPLORE_EVERY + cycle)]
         probes = [i for i, s in enumerate(shapes) if s != shapes[0]]  # shapes[0]: the faster
         assert probes[::PROBE_STEPS] == [EXPLORE_EVERY - PROBE_STEPS,
@@ -127,32 +136,32 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
     assert llm.shape_chooser is not None
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert llm.last_stats.acceptance_length > 1.5
-    rates = llm.shape_chooser.buckets[4].rates  # both shapes were measured at batch 4
-    assert rates["tree"] > 0 and rates["chain"] > 0
+    times = llm.shape_chooser.buckets[4].times  # both shapes were timed at batch 4
+    assert set(times) == {"tree", "chain"} and all(t > 0 for ts in times.values() for t in ts)
     tokens = llm.shape_chooser.buckets[4].tokens  # tree steps: its tokens >= the chain's
     assert tokens and all(tree >= chain > 0 for tree, chain in tokens)
     assert any(tree > chain for tree, chain in tokens)
+    assert set(llm.chain_step_costs) == {1, 2, 4}  # the chain's costs, measured per bucket
     nodes = {}
     for faster in ("chain", "tree"):  # one shape far faster
         force(llm.shape_chooser, faster)
+        # Drafting free: the chain's cost policy drafts min(k, depth) = 3.
+        llm.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 0.0, 0.0, 0.0))
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
         stats = llm.last_stats
         assert stats.acceptance_length > 1.5
         nodes[faster] = stats.num_verified_nodes / stats.num_verify_steps
+        # every verify step verified the forced shape (no probe in so few steps)
+        assert stats.num_tree_verify_steps == (stats.num_verify_steps if faster == "tree"
+                                               else 0)
         if faster == "chain":  # a chain, not a flat tree: drafts past depth 1 are accepted
             assert sum(stats.accepted_at_position[1:]) > 0, stats.accepted_at_position
-    # Chains of at most min(k, depth) = 3 drafts, as many as the chain's measured costs and
-    # acceptance make fastest (no probe in so few steps); trees of up to 7 nodes.
-    assert 1 <= nodes["chain"] <= 3 and nodes["tree"] > 4, nodes
-    assert set(llm.chain_step_costs) == {1, 2, 4}  # the chain's costs, measured per bucket
+    assert nodes["chain"] == 3 and nodes["tree"] > 4, nodes  # trees of up to 7 nodes
     force(llm.shape_chooser, "chain")
-    for drafts, per_draft in ((3, 0.0), (1, 1.0)):  # drafting free, then dear
-        llm.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 0.0, 0.0,
-                                                                  per_draft))
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-        stats = llm.last_stats
-        # (the policy's exploration lengthens a few chains by one)
-        assert drafts <= stats.num_verified_nodes / stats.num_verify_steps < drafts + 0.5
+    llm.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 0.0, 0.0, 1.0))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    stats = llm.last_stats  # drafting dear: chains of 1 (the policy's exploration
+    assert 1 <= stats.num_verified_nodes / stats.num_verify_steps < 1.5  # lengthens a few)
 
 
 def test_fixed_policy_and_given_costs_draft_only_the_tree(pair):

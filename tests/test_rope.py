@@ -208,7 +208,7 @@ def test_accelerator_lookups_equal_fresh_rows_and_clamp_padding_positions(dtype)
     rope = RotaryEmbedding(64, 1e4, None, device="cuda", max_positions=1025)
     positions = torch.tensor([0, 7, 513, 1024], device="cuda")
     _assert_tables_equal(rope.tables(positions, dtype), rope._fresh_tables(positions, dtype))
-    assert rope._tables[dtype].cos.shape[0] == 1025  # looked up, not computed fresh
+    assert rope._tables[dtype].cos.shape[0] >= 1025  # looked up, not computed fresh
     past = rope.tables(torch.tensor([1024, 5000], device="cuda"), dtype)  # padding past it
     _assert_tables_equal(past, rope._fresh_tables(torch.tensor([1024, 1024], device="cuda"),
                                                   dtype))
