@@ -30,10 +30,12 @@ argmax at every depth, which is the tree's rank-0 child (``chain_tokens_on_path`
 accepted path's leading rank-0 nodes, at most the chain's length). Then
 - gain = sum of the tree's tokens / sum of the chain's tokens on its last ``TOKEN_SAMPLES``
   tree steps (tokens counted before a stop or max_tokens cut them);
-- each shape's step time is the median of its last ``TIME_SAMPLES`` steps: one-time costs (a
-  Triton kernel compiled for a new query shape, a graph captured) make single steps hundreds
-  of times slower, and a mean of such a time kept the faster shape from being chosen for
-  dozens of steps in a first H200 run;
+- each shape's step time is the median of its last ``TIME_SAMPLES`` steps, the smaller
+  while it has only two: one-time costs (a Triton kernel compiled for a new query shape, a
+  graph captured) make single steps hundreds of times slower; a mean of such a time kept the
+  faster shape from being chosen for dozens of steps in a first H200 run, and a median of
+  two is their mean (on an H200 a static tree config then drafted trees on a third of its
+  batch-8 steps, at 1.46x target-only where the chain gave 2.22x);
 - the tree is faster when gain > tree time / chain time. ``rates`` reports both as tokens
   per second on the tree steps' text.
 Where the tree lacks a rank-0 child (a static tree without it) the chain's tokens are
@@ -46,19 +48,17 @@ shorter one, depth < k, runs eagerly), so each shape is measured at its captured
 Decision (``decide``), per step of a bucket numbered i = 0, 1, ...:
 - until both shapes have MIN_TIME_SAMPLES step times and the tree has tokens: the shape of
   i // PROBE_STEPS (even: tree, odd: chain), i.e. runs of PROBE_STEPS steps, which hold
-  PROBE_STEPS - 1 pure samples each (a median of two samples is their mean: one step that
-  compiled a kernel would decide the choice for a whole cycle; on an H200 a static tree
-  config drafted trees on a third of its batch-8 steps, at 1.46x target-only where the
-  chain gave 2.22x);
+  PROBE_STEPS - 1 pure samples each (one run per shape);
 - then the faster shape, except runs of PROBE_STEPS steps of the other one that keep its
-  figures current: the first at steps EXPLORE_EVERY - PROBE_STEPS .. EXPLORE_EVERY - 1, each
-  next one a cycle later, the cycle EXPLORE_EVERY x (faster rate / slower rate)^2 steps (at
-  most MAX_CYCLE): a probe of a shape twice as slow costs twice as much per step and is
-  made four times as rarely. At batch 8 on a CPU core a tree step takes 2.8x a chain step
-  for 1.4x its tokens: probing every 32 steps cost about 12% of the chain's speed.
+  figures current, the last PROBE_STEPS steps of every cycle, which starts at the first
+  choice; a cycle is EXPLORE_EVERY x (faster rate / slower rate)^2 steps (at most
+  MAX_CYCLE): a probe of a shape twice as slow costs twice as much per step and is made four
+  times as rarely. At batch 8 on a CPU core a tree step takes 2.8x a chain step for 1.4x its
+  tokens: probing every 32 steps cost about 12% of the chain's speed.
 
-Example: bucket 8, tree 500 tok/s, chain 600 tok/s (cycle round(32 x 1.44) = 46) -> steps
-29-31, 75-77, 121-123, ... draft trees, the rest chains. Greedy outputs never depend on it.
+Example: bucket 8, tree 500 tok/s, chain 600 tok/s known at step 0 (cycle round(32 x 1.44)
+= 46) -> steps 43-45, 89-91, 135-137, ... draft trees, the rest chains. Greedy outputs never
+depend on it.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ from rocdraft.draft_policy import batch_bucket
 SHAPES = ("tree", "chain")
 TIME_SAMPLES = 5  # a shape's step time: the median of its last TIME_SAMPLES pure steps
 TOKEN_SAMPLES = 16  # the tree's gain: over its last TOKEN_SAMPLES pure steps
-MIN_TIME_SAMPLES = 3  # step times per shape before a choice
+MIN_TIME_SAMPLES = 2  # step times per shape before a choice
 PROBE_STEPS = 3  # a run of one shape: PROBE_STEPS - 1 pure samples
 EXPLORE_EVERY = 32  # steps between probes of the slower shape at equal rates
 MAX_CYCLE = 512  # at most this many steps between probes
@@ -112,7 +112,7 @@ def chain_tokens_on_path(path: list[int], flags: list[bool], chain_len: int) -> 
 @dataclass
 class _Bucket:
     steps: int = 0  # decisions taken in this bucket
-    next_probe: int = EXPLORE_EVERY - PROBE_STEPS  # the step that starts the next probe run
+    next_probe: int | None = None  # the step that starts the next probe run
     probe_left: int = 0  # steps left in the current probe run
     times: dict = field(default_factory=dict)  # shape -> deque of step seconds
     tokens: deque = field(default_factory=lambda: deque(maxlen=TOKEN_SAMPLES))  # tree steps:
@@ -125,8 +125,19 @@ class _Bucket:
         if len(self.times) < len(SHAPES) or not self.tokens \
                 or min(len(found) for found in self.times.values()) < MIN_TIME_SAMPLES:
             return {}
-        return {"tree": mean(t for t, _ in self.tokens) / median(self.times["tree"]),
-                "chain": mean(c for _, c in self.tokens) / median(self.times["chain"])}
+        return {"tree": mean(t for t, _ in self.tokens) / _step_time(self.times["tree"]),
+                "chain": mean(c for _, c in self.tokens) / _step_time(self.times["chain"])}
+
+    def cycle(self) -> int:
+        """Steps from one probe run's start to the next (the module docstring's rule)."""
+        rates = self.rates
+        ratio = max(rates.values()) / min(rates.values())
+        return min(round(EXPLORE_EVERY * ratio ** 2), MAX_CYCLE)
+
+
+def _step_time(times) -> float:
+    """A shape's step time: the median of its recent times, the smaller of only two."""
+    return median(times) if len(times) > 2 else min(times)
 
 
 class DraftShapeChooser:
@@ -153,16 +164,15 @@ class DraftShapeChooser:
         best = self.faster(batch_size)
         if best is None:
             return SHAPES[(i // PROBE_STEPS) % 2]
+        if bucket.next_probe is None:  # the first choice: a cycle starts
+            bucket.next_probe = i + bucket.cycle() - PROBE_STEPS
         if not bucket.probe_left and i >= bucket.next_probe:
             bucket.probe_left = PROBE_STEPS
         if not bucket.probe_left:
             return best
         bucket.probe_left -= 1
         if not bucket.probe_left:  # the run's last step: schedule the next run
-            rates = bucket.rates
-            ratio = max(rates.values()) / min(rates.values())
-            cycle = min(round(EXPLORE_EVERY * ratio ** 2), MAX_CYCLE)
-            bucket.next_probe = i + 1 + cycle - PROBE_STEPS
+            bucket.next_probe = i + 1 + bucket.cycle() - PROBE_STEPS
         return SHAPES[1 - SHAPES.index(best)]
 
     def record(self, batch_size: int, shape: str, seconds: float, num_tokens: int = 0,

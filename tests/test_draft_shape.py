@@ -55,10 +55,9 @@ def test_docstring_example_the_faster_shape_with_probes_of_the_other():
     assert chooser.faster(1) is None  # nothing measured in bucket 1
     shapes = [chooser.decide(8) for _ in range(125)]
     cycle = round(EXPLORE_EVERY * 1.2 ** 2)  # 46: probes of a slower shape are rarer
-    first = EXPLORE_EVERY - PROBE_STEPS
     assert [i for i, s in enumerate(shapes) if s == "tree"] == \
-        [first + c * cycle + j for c in range(3) for j in range(PROBE_STEPS)] \
-        == [29, 30, 31, 75, 76, 77, 121, 122, 123]
+        [(c + 1) * cycle - PROBE_STEPS + j for c in range(2) for j in range(PROBE_STEPS)] \
+        == [43, 44, 45, 89, 90, 91]
     for _ in range(TOKEN_SAMPLES):  # a text where the tree's gain is 2: it wins
         chooser.record(8, "tree", 0.08, 40, 20)
     assert chooser.faster(8) == "tree"
@@ -70,10 +69,9 @@ def test_probe_cycle_grows_with_the_square_of_the_speed_ratio_up_to_a_bound():
         for _ in range(MIN_TIME_SAMPLES):
             chooser.record(2, "tree", 1.0, 10, 10)
             chooser.record(2, "chain", 1.0 / ratio)
-        shapes = [chooser.decide(2) for _ in range(EXPLORE_EVERY + cycle)]
+        shapes = [chooser.decide(2) for _ in range(2 * cycle)]
         probes = [i for i, s in enumerate(shapes) if s != shapes[0]]  # shapes[0]: the faster
-        assert probes[::PROBE_STEPS] == [EXPLORE_EVERY - PROBE_STEPS,
-                                         EXPLORE_EVERY - PROBE_STEPS + cycle], ratio
+        assert probes[::PROBE_STEPS] == [cycle - PROBE_STEPS, 2 * cycle - PROBE_STEPS], ratio
 
 
 def test_tokens_are_compared_on_the_same_steps_and_times_take_the_median():
@@ -89,6 +87,11 @@ def test_tokens_are_compared_on_the_same_steps_and_times_take_the_median():
     for _ in range(TIME_SAMPLES):  # older times leave the window
         chooser.record(1, "chain", 0.5)
     assert chooser.faster(1) == "tree"
+    early = DraftShapeChooser()  # two times only: the smaller (a median of two is a mean)
+    for seconds in (5.0, 0.017):
+        early.record(1, "tree", 0.030, 6, 5)
+        early.record(1, "chain", seconds)
+    assert early.buckets[1].rates["chain"] == pytest.approx(5 / 0.017)
 
 
 def test_rank0_flags_and_the_chain_tokens_of_a_path():

@@ -133,6 +133,7 @@ def test_tree_config_drafting_chains_replays_the_captured_chain_loop(pair, backe
     """A tree config under the cost policy may draft chains (rocdraft/draft_shape.py): on a
     GPU their loop replays the captured chain graphs beside the captured tree levels."""
     from rocdraft.draft_policy import StepCosts
+    from rocdraft.draft_shape import MIN_TIME_SAMPLES
     from rocdraft.engine import LLM
 
     reason = _runnable(backend)
@@ -146,8 +147,9 @@ def test_tree_config_drafting_chains_replays_the_captured_chain_loop(pair, backe
     assert chooser is not None and runner is not None and set(runner.graphs)
     assert llm.proposer.tree_runner is not None
     for bucket in (1, 2, 4, 8):  # the chain measured far faster everywhere
-        chooser.record(bucket, "tree", 1.0, 10, 5)
-        chooser.record(bucket, "chain", 1e-9)
+        for _ in range(MIN_TIME_SAMPLES):
+            chooser.record(bucket, "tree", 1.0, 10, 5)
+            chooser.record(bucket, "chain", 1e-9)
     # Drafting costs nothing: the chain's cost policy drafts all 4 (the captured length).
     llm.chain_step_costs = dict.fromkeys((1, 2, 4, 8), StepCosts(1.0, 0.0, 0.0, 0.0, 0.0))
     replays = []
