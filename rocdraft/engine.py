@@ -459,8 +459,11 @@ class LLMEngine:
                 self.throughput_guard.record(len(scheduled), "spec" if drafted else "plain",
                                              produced, t5 - t0)
         if self.shape_chooser is not None:
+            # A pure step of one shape (a tree step's sample needs a verified tree: a batch
+            # of only the chains another step drafted verifies none).
             if not has_prefill and shape is not None and shape == self.drafted_shape \
-                    and any(s.num_draft_tokens for s in scheduled):  # a pure step of one shape
+                    and any(s.num_draft_tokens for s in scheduled) \
+                    and (shape == "chain" or verified_tree is not None):
                 self.shape_chooser.record(len(scheduled), shape, t5 - t0, produced,
                                           chain_tokens)
             self.drafted_shape = shape

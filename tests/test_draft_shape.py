@@ -167,6 +167,20 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
     assert 1 <= stats.num_verified_nodes / stats.num_verify_steps < 1.5  # lengthens a few)
 
 
+def test_seeded_sampling_mixing_trees_and_chains_equals_seeded_target_only(pair):
+    """Both samplers draw the target's own noise per emitted position, so a seeded request
+    emits target-only's tokens whichever shape each step drafts."""
+    target, head = pair
+    seeded = [SamplingParams(temperature=0.9, top_k=50, max_tokens=24, seed=s, ignore_eos=True)
+              for s in (21, 22, 23, 24)]
+    expected = [o.token_ids for o in LLM(target).generate(PROMPTS, seeded)]
+    llm = LLM(target, head, SpeculativeConfig("eagle3", 3, speculative_token_tree=STATIC))
+    assert [o.token_ids for o in llm.generate(PROMPTS, seeded)] == expected
+    stats = llm.last_stats  # the learning runs drafted both shapes
+    assert 0 < stats.num_tree_verify_steps < stats.num_verify_steps
+    assert stats.acceptance_length > 1.3
+
+
 def test_fixed_policy_and_given_costs_draft_only_the_tree(pair):
     target, head = pair
     for spec in (SpeculativeConfig("eagle3", 3, speculative_token_tree=STATIC,
