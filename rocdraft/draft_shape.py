@@ -11,8 +11,9 @@ cuts trees from a cost model fitted on dummy inputs, which misjudged full trees 
 this chooser decides from the engine's own clock instead, so a tree config is never slower
 than the chain by more than its probes.
 
-The chain is drafted by the chain drafter (``EagleProposer.propose``, k =
-min(num_speculative_tokens, tree depth)) and verified next step exactly as in chain mode
+The chain is drafted by the chain drafter (``EagleProposer.propose``: at most
+min(num_speculative_tokens, tree depth) drafts, as many as the chain's own cost policy picks)
+and verified next step exactly as in chain mode
 (causal verification, the rejection sampler, no KV compaction), so a chain step in tree mode
 costs what a chain config's step costs; both samplers are lossless, so the output
 distribution is the target's either way. A request whose chain sits in a batch beside
@@ -27,7 +28,9 @@ times compare texts, not shapes: measured that way the chooser kept the tree at 
 where the chain was 1.3x faster. So tokens are compared on the same steps: a verified tree
 also says what the chain would have produced there, because the chain drafts the head's
 argmax at every depth, which is the tree's rank-0 child (``chain_tokens_on_path``: 1 + the
-accepted path's leading rank-0 nodes, at most the chain's length). Then
+accepted path's leading rank-0 nodes, at most the chain's length, the one its policy would
+pick now; ``chain_on_tree_step`` also feeds the chain's acceptance estimate from every tree
+step, so the chain's length stays current while trees win). Then
 - gain = sum of the tree's tokens / sum of the chain's tokens on its last ``TOKEN_SAMPLES``
   tree steps (tokens counted before a stop or max_tokens cut them);
 - each shape's step time is the median of its last ``TIME_SAMPLES`` steps, the smaller
@@ -65,6 +68,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import mean, median
+from typing import NamedTuple
 
 from rocdraft.draft_policy import batch_bucket
 
@@ -109,11 +113,44 @@ def chain_tokens_on_path(path: list[int], flags: list[bool], chain_len: int) -> 
     return 1 + leading
 
 
+class ChainOnTreeStep(NamedTuple):
+    tokens: int  # what the chain would have produced, over the requests that sampled
+    verified: list[int]  # per tree request that sampled: the chain's positions ...
+    accepted: list[int]  # ... and how many of them it would have accepted
+
+
+def chain_on_tree_step(parents: list[list[int]], paths: list[list[int]], samples: list[bool],
+                       ranks: tuple[int, ...] | None, chain_len: int, positions: int
+                       ) -> ChainOnTreeStep:
+    """What a chain would have done on a verified tree step, per request i with drafts
+    ``parents[i]`` (empty: it verified a chain, every node its parent's only child), accepted
+    ``paths[i]`` and ``samples[i]`` (whether it sampled). ``tokens`` counts a chain of
+    ``chain_len`` drafts (the length the chain's policy picks now); ``verified`` /
+    ``accepted`` feed the chain's acceptance estimate with ``positions`` (min(k, depth))
+    positions per tree request, so it stays current while trees are drafted.
+
+    Example: parents [[-1, -1, 0], []] (a tree; a chain beside it), paths [[0, 2], [0, 1]],
+    samples [True, True], ranks None, chain_len 2, positions 3 -> tokens 3 + 3 = 6,
+    verified [3], accepted [2]."""
+    tokens, verified, accepted = 0, [], []
+    for request_parents, path, sampled in zip(parents, paths, samples):
+        if not sampled:
+            continue
+        flags = rank0_flags(request_parents, ranks) if request_parents \
+            else [True] * len(path)
+        tokens += chain_tokens_on_path(path, flags, chain_len)
+        if request_parents:
+            verified.append(positions)
+            accepted.append(chain_tokens_on_path(path, flags, positions) - 1)
+    return ChainOnTreeStep(tokens, verified, accepted)
+
+
 @dataclass
 class _Bucket:
     steps: int = 0  # decisions taken in this bucket
     next_probe: int | None = None  # the step that starts the next probe run
     probe_left: int = 0  # steps left in the current probe run
+    probe_shape: str = "tree"  # the shape the current probe run drafts
     times: dict = field(default_factory=dict)  # shape -> deque of step seconds
     tokens: deque = field(default_factory=lambda: deque(maxlen=TOKEN_SAMPLES))  # tree steps:
     # (the tree's tokens, the chain's tokens on the same step)
@@ -167,13 +204,14 @@ class DraftShapeChooser:
         if bucket.next_probe is None:  # the first choice: a cycle starts
             bucket.next_probe = i + bucket.cycle() - PROBE_STEPS
         if not bucket.probe_left and i >= bucket.next_probe:
-            bucket.probe_left = PROBE_STEPS
+            # One shape for the whole run, even if the estimates flip during it.
+            bucket.probe_left, bucket.probe_shape = PROBE_STEPS, SHAPES[1 - SHAPES.index(best)]
         if not bucket.probe_left:
             return best
         bucket.probe_left -= 1
         if not bucket.probe_left:  # the run's last step: schedule the next run
             bucket.next_probe = i + 1 + bucket.cycle() - PROBE_STEPS
-        return SHAPES[1 - SHAPES.index(best)]
+        return bucket.probe_shape
 
     def record(self, batch_size: int, shape: str, seconds: float, num_tokens: int = 0,
                chain_tokens: int = 0) -> None:

@@ -53,7 +53,7 @@ from rocdraft.scheduler import Scheduler, ScheduledRequest
 from rocdraft.step_batch import StepBatch, build_step_batch
 from rocdraft.step_costs import EngineParts, measure_step_costs
 from rocdraft.throughput_guard import ThroughputGuard
-from rocdraft.draft_shape import DraftShapeChooser, chain_tokens_on_path, rank0_flags
+from rocdraft.draft_shape import DraftShapeChooser, chain_on_tree_step
 from rocdraft.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
 from rocdraft.tree_step import compact_target_kv, head_inputs_after_tree, verify_tree_step
 
@@ -269,8 +269,11 @@ class LLMEngine:
                     self.proposer.tree_drafter, self.draft_kv_caches,
                     self.head.config.hidden_size, self.scheduler_config.max_blocks_per_seq,
                     capture_buckets(max_num_seqs), use_graphs=True)
+        # A tree config's chains are at most min(k, depth) long: the captured k-draft loop
+        # serves them only when the tree is at least k deep.
         if self.draft_graph_refusal is None and spec.num_speculative_tokens > 1 \
-                and (self.tree is None or self.shape_chooser is not None):
+                and (self.tree is None or (self.shape_chooser is not None
+                                           and self.tree.depth >= spec.num_speculative_tokens)):
             self.proposer.graph_runner = DraftLoopRunner(
                 self.proposer, self.draft_kv_caches, self.head.config.hidden_size,
                 self.scheduler_config.max_blocks_per_seq, capture_buckets(max_num_seqs),
@@ -443,8 +446,15 @@ class LLMEngine:
                            scores[:int(row[-1])]) for row, scores in zip(drafts_cpu, scores_cpu)]
         paths = verified_tree.accepted_nodes.tolist() if verified_tree is not None and (
             self.tree_acceptance is not None or self.shape_chooser is not None) else None
-        chain_tokens = self._chain_tokens(scheduled, batch, paths) \
-            if self.shape_chooser is not None and paths is not None else 0
+        chain_tokens = 0
+        if self.shape_chooser is not None and paths is not None:  # the chain on this step
+            chain = chain_on_tree_step(
+                [s.request.spec_parents[:s.num_draft_tokens] for s in scheduled], paths,
+                batch.samples, self.tree.ranks if isinstance(self.tree, StaticTree) else None,
+                self._chain_policy_drafts(len(scheduled)), self._chain_cap())
+            chain_tokens = chain.tokens
+            if chain.verified:
+                self.acceptance.update(chain.verified, chain.accepted)
         advanced = self._update_requests(scheduler, scheduled, batch, sampled_cpu, drafts_cpu,
                                          stats, num_drafts, paths)
         t5 = self._clock()
@@ -473,21 +483,6 @@ class LLMEngine:
         stats.time_s["sampler"] += t3 - t2
         stats.time_s["draft"] += t4 - t3
         return advanced
-
-    def _chain_tokens(self, scheduled: list[ScheduledRequest], batch: StepBatch,
-                      paths: list[list[int]]) -> int:
-        """Tokens the chain of min(k, depth) drafts would have produced on this tree step, over
-        the requests that sampled (rocdraft/draft_shape.py: ``chain_tokens_on_path``)."""
-        ranks = self.tree.ranks if isinstance(self.tree, StaticTree) else None
-        chain_len = min(self.config.speculative.num_speculative_tokens, self.tree.depth)
-        total = 0
-        for item, path, samples in zip(scheduled, paths, batch.samples):
-            parents = item.request.spec_parents[:item.num_draft_tokens]
-            # A chain beside trees (or no drafts): every node is its parent's only child.
-            flags = rank0_flags(parents, ranks) if parents else [True] * item.num_draft_tokens
-            if samples:
-                total += chain_tokens_on_path(path, flags, chain_len)
-        return total
 
     def drafts_per_request(self, batch_size: int) -> int:
         """The most drafts each request may verify next step: k, or fewer when
@@ -539,17 +534,28 @@ class LLMEngine:
         below = [b for b in measured if b <= bucket]
         return measured[max(below) if below else min(measured)]
 
-    def _chain_drafts_in_tree_mode(self, batch_size: int) -> int:
-        """Drafts of a chain a tree config drafts now (rocdraft/draft_shape.py): at most
-        min(k, depth), under the cost policy the count maximising expected tokens per second
-        from the chain's measured costs and acceptance (at least 1)."""
-        cap = min(self.config.speculative.num_speculative_tokens, self.tree.depth)
+    def _chain_cap(self) -> int:
+        """The longest chain a tree config drafts: min(k, tree depth)."""
+        return min(self.config.speculative.num_speculative_tokens, self.tree.depth)
+
+    def _chain_policy_drafts(self, batch_size: int, explore: bool = False) -> int:
+        """Drafts of a chain a tree config would draft for this batch (rocdraft/
+        draft_shape.py): at most ``_chain_cap``, under the cost policy the count maximising
+        expected tokens per second from the chain's measured costs and acceptance (at least
+        1); ``explore`` as in ``choose_num_drafts``."""
         costs = self._costs_for(batch_size, self.chain_step_costs)
         if costs is None:
-            return cap
+            return self._chain_cap()
+        return max(1, choose_num_drafts(costs, self.acceptance.rates, batch_size,
+                                        self._chain_cap(), explore=explore))
+
+    def _chain_drafts_in_tree_mode(self, batch_size: int) -> int:
+        """``_chain_policy_drafts`` for the chain drafted now, exploring every
+        EXPLORE_EVERY-th policy step (the step counter is shared with the tree budget: a
+        tree config runs one of the two policies per step)."""
         self.policy_steps += 1
-        return max(1, choose_num_drafts(costs, self.acceptance.rates, batch_size, cap,
-                                        explore=self.policy_steps % EXPLORE_EVERY == 0))
+        return self._chain_policy_drafts(batch_size,
+                                         explore=self.policy_steps % EXPLORE_EVERY == 0)
 
     def measure_step_costs(self) -> None:
         """Measure the cost policy's step costs of every batch bucket up to max_num_seqs now
@@ -719,7 +725,6 @@ class LLMEngine:
                     req.spec_token_ids, req.spec_parents = tokens[:room], parents[:room]
                     req.spec_scores = scores[:room]
                 else:  # a chain (also one drafted in tree mode: verified as a chain)
-                    req.clear_drafts()
                     req.spec_token_ids = drafts_cpu[row][:room]
         if verified:
             self.acceptance.update(verified, accepted)

@@ -10,7 +10,7 @@ from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.draft_policy import StepCosts
 from rocdraft.draft_shape import (EXPLORE_EVERY, MAX_CYCLE, MIN_TIME_SAMPLES, PROBE_STEPS,
                                   TIME_SAMPLES, TOKEN_SAMPLES, DraftShapeChooser,
-                                  chain_tokens_on_path, rank0_flags)
+                                  chain_on_tree_step, chain_tokens_on_path, rank0_flags)
 from rocdraft.engine import LLM
 
 PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11]
@@ -105,6 +105,32 @@ def test_rank0_flags_and_the_chain_tokens_of_a_path():
     assert chain_tokens_on_path([0, 2], flags, 1) == 2  # at most the chain's length
     assert chain_tokens_on_path([1, 4], flags, 4) == 1  # the root's rank-1 child
     assert chain_tokens_on_path([-1, -1], flags, 4) == 1
+
+
+def test_the_chain_on_a_tree_step_docstring_example_and_rows_that_did_not_sample():
+    got = chain_on_tree_step([[-1, -1, 0], []], [[0, 2], [0, 1]], [True, True], None,
+                             chain_len=2, positions=3)
+    assert got == (6, [3], [2])  # the chain beside the tree counts its own tokens only
+    # Static ranks: node 0 is rank 1, node 1 rank 0 (listed second), node 2 its rank-0 child.
+    assert chain_on_tree_step([[-1, -1, 1]], [[1, 2]], [True], ranks=(1, 0, 0), chain_len=4,
+                              positions=4) == (3, [4], [2])
+    got = chain_on_tree_step([[-1, -1, 1], [-1, -1]], [[0, -1], [0, -1]], [True, False],
+                             ranks=(1, 0, 0), chain_len=4, positions=4)
+    assert got == (1, [4], [0])  # the path took the rank-1 node; row 1 sampled nothing
+
+
+def test_a_probe_run_keeps_its_shape_when_the_estimates_flip_during_it():
+    chooser = DraftShapeChooser()
+    for _ in range(MIN_TIME_SAMPLES):
+        chooser.record(1, "tree", 1.0, 10, 5)
+        chooser.record(1, "chain", 0.4)  # chain faster: probes draft trees
+    first = [chooser.decide(1) for _ in range(chooser.buckets[1].cycle() - PROBE_STEPS + 1)]
+    assert first[-1] == "tree" and set(first[:-1]) == {"chain"}  # the probe run started
+    for _ in range(TIME_SAMPLES):  # now the tree is far faster
+        chooser.record(1, "chain", 100.0)
+    assert chooser.faster(1) == "tree"
+    assert [chooser.decide(1) for _ in range(PROBE_STEPS - 1)] == ["tree"] * (PROBE_STEPS - 1)
+    assert chooser.decide(1) == "tree"  # the run over: the faster shape
 
 
 def test_bad_samples_are_not_counted_and_bad_arguments_refused():
