@@ -27,10 +27,13 @@ prompt accepts 5.9 tokens per tree step, another 3), so rates of steps taken at 
 times compare texts, not shapes: measured that way the chooser kept the tree at batch 1
 where the chain was 1.3x faster. So tokens are compared on the same steps: a verified tree
 also says what the chain would have produced there, because the chain drafts the head's
-argmax at every depth, which is the tree's rank-0 child (``chain_tokens_on_path``: 1 + the
+argmax at every depth, which is the tree's rank-0 child (``chain_on_path``: 1 + the
 accepted path's leading rank-0 nodes, at most the chain's length, the one its policy would
-pick now; ``chain_on_tree_step`` also feeds the chain's acceptance estimate from every tree
-step, so the chain's length stays current while trees win). Then
+pick now; where the tree ran out of rank-0 nodes, a leaf or a budget-cut tree, the chain's
+expected further tokens from its acceptance rates: counting only what the tree showed made
+budget-cut dynamic trees look better than the chain at bs 8, which then drafted them on 46%
+of its steps at 0.94x target-only; ``chain_on_tree_step`` also feeds the chain's acceptance
+estimate from every tree step, so the chain's length stays current while trees win). Then
 - gain = sum of the tree's tokens / sum of the chain's tokens on its last ``TOKEN_SAMPLES``
   tree steps (tokens counted before a stop or max_tokens cut them);
 - each shape's step time is the median of its last ``TIME_SAMPLES`` steps, the smaller
@@ -41,8 +44,6 @@ step, so the chain's length stays current while trees win). Then
   batch-8 steps, at 1.46x target-only where the chain gave 2.22x);
 - the tree is faster when gain > tree time / chain time. ``rates`` reports both as tokens
   per second on the tree steps' text.
-Where the tree lacks a rank-0 child (a static tree without it) the chain's tokens are
-undercounted and the tree is favoured: such trees are unusual.
 
 Where it runs: every tree config under the cost policy without given costs. On a GPU the
 engine captures both the tree levels and the chain's draft loop (the chain of k drafts; a
@@ -97,51 +98,77 @@ def rank0_flags(parents: list[int], ranks: tuple[int, ...] | None = None) -> lis
     return flags
 
 
-def chain_tokens_on_path(path: list[int], flags: list[bool], chain_len: int) -> int:
-    """Tokens a chain of ``chain_len`` argmax drafts would have produced where the tree's
-    accepted ``path`` (node per depth, -1 after its end) was found: 1 + the path's leading
-    rank-0 nodes, at most ``chain_len``. With greedy sampling this is exact when the chain's
-    drafts equal the rank-0 children (the same head on the same context).
+class ChainOnPath(NamedTuple):
+    tokens: float  # what the chain would have produced (expected, where the tree ran out)
+    verified: int  # chain positions whose outcome the tree shows ...
+    accepted: int  # ... and how many of them were accepted
 
-    Example: path [0, 3, -1], flags [T, F, T, F, T], chain_len 4 -> 2 (node 3 is rank 1:
-    the chain drafted its rank-0 sibling 2 there, which was rejected)."""
-    leading = 0
-    for node in path:
-        if node < 0 or not flags[node] or leading == chain_len:
+
+def chain_on_path(path: list[int], parents: list[int], flags: list[bool], chain_len: int,
+                  rates: list[float]) -> ChainOnPath:
+    """What a chain of ``chain_len`` argmax drafts would have done where a tree with
+    ``parents`` (rank-0 ``flags``) was verified and ``path`` (node per depth, -1 after its
+    end) accepted. The chain follows the path's leading rank-0 nodes; at the first other
+    node, or where the walk stopped although the last node had a rank-0 child, the chain's
+    next draft was tried and rejected. Where the walk stopped at a node without a rank-0 child
+    in the tree (a leaf, or a tree the batch budget cut), the tree does not say: the chain's
+    expected further tokens come from ``rates`` (its acceptance per position, conditional).
+    Exact for greedy sampling when the chain's drafts equal the rank-0 children (the same
+    head on the same context); the tree walk tries children in rank order, so under random
+    sampling the rank-0 child is accepted with the chain's probability too.
+
+    Examples, parents [-1, -1, 0, 0, 1] (flags [T, F, T, F, T]), chain_len 4:
+    path [0, 3, -1] -> tokens 2 (node 3 is rank 1: the chain's draft 2 was rejected),
+    verified 2, accepted 1; path [0, 2] with rates [.8, .5, .5, .5] -> node 2 is a leaf: 1 +
+    2 + (.5 + .25) = 3.75 tokens, verified 2, accepted 2."""
+    leading, node = 0, -1
+    for child in path:
+        if child < 0 or not flags[child] or leading == chain_len:
             break
-        leading += 1
-    return 1 + leading
+        leading, node = leading + 1, child
+    if leading == chain_len:
+        return ChainOnPath(1 + leading, leading, leading)
+    diverged = leading < len(path) and path[leading] >= 0  # went on through another child
+    if diverged or any(p == node and f for p, f in zip(parents, flags)):
+        return ChainOnPath(1 + leading, leading + 1, leading)  # next draft tried, rejected
+    expected, survive = 0.0, 1.0
+    for position in range(leading, chain_len):
+        survive *= rates[position]
+        expected += survive
+    return ChainOnPath(1 + leading + expected, leading, leading)
 
 
 class ChainOnTreeStep(NamedTuple):
-    tokens: int  # what the chain would have produced, over the requests that sampled
-    verified: list[int]  # per tree request that sampled: the chain's positions ...
+    tokens: float  # what the chain would have produced, over the requests that sampled
+    verified: list[int]  # per tree request that sampled: the chain positions it shows ...
     accepted: list[int]  # ... and how many of them it would have accepted
 
 
 def chain_on_tree_step(parents: list[list[int]], paths: list[list[int]], samples: list[bool],
-                       ranks: tuple[int, ...] | None, chain_len: int, positions: int
-                       ) -> ChainOnTreeStep:
-    """What a chain would have done on a verified tree step, per request i with drafts
-    ``parents[i]`` (empty: it verified a chain, every node its parent's only child), accepted
-    ``paths[i]`` and ``samples[i]`` (whether it sampled). ``tokens`` counts a chain of
-    ``chain_len`` drafts (the length the chain's policy picks now); ``verified`` /
-    ``accepted`` feed the chain's acceptance estimate with ``positions`` (min(k, depth))
-    positions per tree request, so it stays current while trees are drafted.
+                       ranks: tuple[int, ...] | None, chain_len: int, positions: int,
+                       rates: list[float]) -> ChainOnTreeStep:
+    """``chain_on_path`` over a batch: request i with drafts ``parents[i]`` (empty: it
+    verified a chain, whose own tokens count), accepted ``paths[i]``, ``samples[i]`` whether
+    it sampled. ``tokens`` counts a chain of ``chain_len`` drafts (the length the chain's
+    policy picks now); ``verified`` / ``accepted`` feed the chain's acceptance estimate over
+    ``positions`` (min(k, depth)), so it stays current while trees are drafted.
 
     Example: parents [[-1, -1, 0], []] (a tree; a chain beside it), paths [[0, 2], [0, 1]],
-    samples [True, True], ranks None, chain_len 2, positions 3 -> tokens 3 + 3 = 6,
-    verified [3], accepted [2]."""
-    tokens, verified, accepted = 0, [], []
+    samples [True, True], ranks None, chain_len 2, positions 3, rates [.5] * 3 -> tokens
+    3 + 3 = 6, verified [2], accepted [2] (node 2 is a leaf: position 3 is unknown)."""
+    tokens, verified, accepted = 0.0, [], []
     for request_parents, path, sampled in zip(parents, paths, samples):
         if not sampled:
             continue
-        flags = rank0_flags(request_parents, ranks) if request_parents \
-            else [True] * len(path)
-        tokens += chain_tokens_on_path(path, flags, chain_len)
-        if request_parents:
-            verified.append(positions)
-            accepted.append(chain_tokens_on_path(path, flags, positions) - 1)
+        if not request_parents:  # a chain beside the trees: what it produced
+            tokens += 1 + sum(node >= 0 for node in path)
+            continue
+        flags = rank0_flags(request_parents, ranks)
+        tokens += chain_on_path(path, request_parents, flags, chain_len, rates).tokens
+        seen = chain_on_path(path, request_parents, flags, positions, rates)
+        if seen.verified:
+            verified.append(seen.verified)
+            accepted.append(seen.accepted)
     return ChainOnTreeStep(tokens, verified, accepted)
 
 
@@ -214,15 +241,15 @@ class DraftShapeChooser:
         return bucket.probe_shape
 
     def record(self, batch_size: int, shape: str, seconds: float, num_tokens: int = 0,
-               chain_tokens: int = 0) -> None:
+               chain_tokens: float = 0.0) -> None:
         """One pure step of ``shape`` that took ``seconds``; a tree step also gives the
         tokens it produced and those the chain would have produced on it
-        (``chain_tokens_on_path`` summed over the batch)."""
+        (``chain_on_tree_step``)."""
         if shape not in SHAPES:
             raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
         bucket = self._bucket(batch_size)
-        if shape == "tree" and not 0 < chain_tokens <= num_tokens:
-            raise ValueError(f"a tree step needs 0 < chain_tokens <= num_tokens, got "
+        if shape == "tree" and not (num_tokens > 0 and chain_tokens > 0):
+            raise ValueError(f"a tree step needs num_tokens > 0 and chain_tokens > 0, got "
                              f"chain_tokens={chain_tokens}, num_tokens={num_tokens}")
         if seconds <= 0:
             return

@@ -451,7 +451,8 @@ class LLMEngine:
             chain = chain_on_tree_step(
                 [s.request.spec_parents[:s.num_draft_tokens] for s in scheduled], paths,
                 batch.samples, self.tree.ranks if isinstance(self.tree, StaticTree) else None,
-                self._chain_policy_drafts(len(scheduled)), self._chain_cap())
+                self._chain_policy_drafts(len(scheduled)), self._chain_cap(),
+                self.acceptance.rates)
             chain_tokens = chain.tokens
             if chain.verified:
                 self.acceptance.update(chain.verified, chain.accepted)

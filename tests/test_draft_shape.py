@@ -10,7 +10,7 @@ from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.draft_policy import StepCosts
 from rocdraft.draft_shape import (EXPLORE_EVERY, MAX_CYCLE, MIN_TIME_SAMPLES, PROBE_STEPS,
                                   TIME_SAMPLES, TOKEN_SAMPLES, DraftShapeChooser,
-                                  chain_on_tree_step, chain_tokens_on_path, rank0_flags)
+                                  chain_on_path, chain_on_tree_step, rank0_flags)
 from rocdraft.engine import LLM
 
 PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11]
@@ -100,23 +100,32 @@ def test_rank0_flags_and_the_chain_tokens_of_a_path():
     # A static tree lists ranks explicitly: (1,) before (0,) is allowed within a depth.
     assert rank0_flags([-1, -1, 1], ranks=(1, 0, 0)) == [False, True, True]
     flags = rank0_flags(parents)
-    assert chain_tokens_on_path([0, 3, -1], flags, 4) == 2  # node 3 is rank 1
-    assert chain_tokens_on_path([0, 2], flags, 4) == 3
-    assert chain_tokens_on_path([0, 2], flags, 1) == 2  # at most the chain's length
-    assert chain_tokens_on_path([1, 4], flags, 4) == 1  # the root's rank-1 child
-    assert chain_tokens_on_path([-1, -1], flags, 4) == 1
+    rates = [0.8, 0.5, 0.5, 0.5]
+    # docstring examples: node 3 is rank 1 (the chain's draft 2 was rejected); 2 is a leaf
+    assert chain_on_path([0, 3, -1], parents, flags, 4, rates) == (2, 2, 1)
+    assert chain_on_path([0, 2], parents, flags, 4, rates) == pytest.approx((3.75, 2, 2))
+    assert chain_on_path([0, 2], parents, flags, 1, rates) == (2, 1, 1)  # the chain's length
+    assert chain_on_path([1, 4], parents, flags, 4, rates) == (1, 1, 0)  # root's rank-1 child
+    # nothing accepted although the root has a rank-0 child: the chain's first draft failed
+    assert chain_on_path([-1, -1], parents, flags, 4, rates) == (1, 1, 0)
+    # stopped at node 1, which has a rank-0 child (4): rejected, exact
+    assert chain_on_path([1, -1], [-1, -1, 0, 0, 1], [True, True, True, False, True], 4,
+                         rates) == (2, 2, 1)
+    # a budget-cut tree: only the root's rank-0 child, accepted; the rest is expected
+    assert chain_on_path([0], [-1], [True], 3, rates) == pytest.approx((1 + 1 + .5 + .25,
+                                                                        1, 1))
 
 
 def test_the_chain_on_a_tree_step_docstring_example_and_rows_that_did_not_sample():
     got = chain_on_tree_step([[-1, -1, 0], []], [[0, 2], [0, 1]], [True, True], None,
-                             chain_len=2, positions=3)
-    assert got == (6, [3], [2])  # the chain beside the tree counts its own tokens only
+                             chain_len=2, positions=3, rates=[0.5] * 3)
+    assert got == (6, [2], [2])  # the chain beside the tree counts its own tokens only
     # Static ranks: node 0 is rank 1, node 1 rank 0 (listed second), node 2 its rank-0 child.
-    assert chain_on_tree_step([[-1, -1, 1]], [[1, 2]], [True], ranks=(1, 0, 0), chain_len=4,
-                              positions=4) == (3, [4], [2])
+    assert chain_on_tree_step([[-1, -1, 1]], [[1, 2]], [True], ranks=(1, 0, 0), chain_len=2,
+                              positions=2, rates=[0.5] * 2) == (3, [2], [2])
     got = chain_on_tree_step([[-1, -1, 1], [-1, -1]], [[0, -1], [0, -1]], [True, False],
-                             ranks=(1, 0, 0), chain_len=4, positions=4)
-    assert got == (1, [4], [0])  # the path took the rank-1 node; row 1 sampled nothing
+                             ranks=(1, 0, 0), chain_len=4, positions=4, rates=[0.5] * 4)
+    assert got == (1, [1], [0])  # the path took the rank-1 node; row 1 sampled nothing
 
 
 def test_a_probe_run_keeps_its_shape_when_the_estimates_flip_during_it():
@@ -141,9 +150,10 @@ def test_bad_samples_are_not_counted_and_bad_arguments_refused():
         chooser.record(2, "plain", 1.0)
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         chooser.decide(0)
-    for tokens, chain in ((5, 0), (5, 6)):
+    for tokens, chain in ((5, 0), (0, 2)):
         with pytest.raises(ValueError, match=f"chain_tokens={chain}, num_tokens={tokens}"):
             chooser.record(2, "tree", 1.0, tokens, chain)
+    chooser.record(2, "tree", 1.0, 2, 3.5)  # the chain's expected tokens may exceed the tree's
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +177,10 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
     assert llm.last_stats.acceptance_length > 1.5
     times = llm.shape_chooser.buckets[4].times  # both shapes were timed at batch 4
     assert set(times) == {"tree", "chain"} and all(t > 0 for ts in times.values() for t in ts)
-    tokens = llm.shape_chooser.buckets[4].tokens  # tree steps: its tokens >= the chain's
-    assert tokens and all(tree >= chain > 0 for tree, chain in tokens)
+    # Tree steps: the tree's tokens and the chain's on the same step (where the tree ran out
+    # of rank-0 nodes, the chain's expected tokens: they may exceed the tree's)
+    tokens = llm.shape_chooser.buckets[4].tokens
+    assert tokens and all(tree > 0 and chain > 0 for tree, chain in tokens)
     assert any(tree > chain for tree, chain in tokens)
     assert set(llm.chain_step_costs) == {1, 2, 4}  # the chain's costs, measured per bucket
     nodes = {}
