@@ -259,8 +259,8 @@ class LLMEngine:
         self.draft_graph_refusal = graph_capture_refusal(self.draft_backend, self.device,
                                                          spec.enforce_eager)
         # A tree config under the cost policy drafts per batch bucket the tree or a chain of
-        # min(k, depth), whichever measured faster (rocdraft/draft_shape.py); on a GPU both
-        # the tree levels and the chain's loop are captured.
+        # at most min(k, depth) drafts, whichever measured faster (rocdraft/draft_shape.py);
+        # on a GPU both the tree levels and the chain's loop are captured.
         self.shape_chooser = DraftShapeChooser() if self.tree is not None \
             and spec.draft_policy == "cost" and spec.draft_costs is None else None
         if self.draft_graph_refusal is None and self.tree is not None:
