@@ -13,8 +13,8 @@ than the chain by more than its probes.
 
 The chain is drafted by the chain drafter (``EagleProposer.propose``: at most
 min(num_speculative_tokens, tree depth) drafts, as many as the chain's own cost policy picks)
-and verified next step exactly as in chain mode
-(causal verification, the rejection sampler, no KV compaction), so a chain step in tree mode
+and verified next step exactly as in chain mode (causal verification, the rejection
+sampler, no KV compaction), so a chain step in tree mode
 costs what a chain config's step costs; both samplers are lossless, so the output
 distribution is the target's either way. A request whose chain sits in a batch beside
 another's tree (a step that did not schedule it) is verified as a one-child-per-level tree
@@ -46,8 +46,8 @@ estimate from every tree step, so the chain's length stays current while trees w
   per second on the tree steps' text.
 
 Where it runs: every tree config under the cost policy without given costs. On a GPU the
-engine captures both the tree levels and the chain's draft loop (the chain of k drafts; a
-shorter one, depth < k, runs eagerly), so each shape is measured at its captured speed.
+engine captures the tree levels and, for a tree at least k deep, the chain's k-draft loop
+(shorter chains run eagerly), so each shape is measured at the speed it drafts at.
 
 Decision (``decide``), per step of a bucket numbered i = 0, 1, ...:
 - until both shapes have MIN_TIME_SAMPLES step times and the tree has tokens: the shape of

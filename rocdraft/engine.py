@@ -572,13 +572,13 @@ class LLMEngine:
         ``batch_size`` (default: the largest batch this scheduler's queue can form), while no
         request holds KV blocks (the dummy forwards may then write anywhere in the caches)."""
         spec = self.config.speculative
-        # What is measured: the chain's costs (a chain config, or a tree config that may
-        # draft chains) and the dynamic tree's (its batch budget).
-        tables = [(table, chain) for table, chain, wanted in (
-            (self.step_costs, self.tree is None, self.tree is None
-             or self.tree_acceptance is not None),
-            (self.chain_step_costs, True, self.tree is not None
-             and self.shape_chooser is not None)) if wanted]
+        # What is measured, (table, chain steps?): a chain config's costs or a dynamic tree's
+        # (its batch budget), and the chains a tree config may draft.
+        tables = []
+        if self.tree is None or self.tree_acceptance is not None:
+            tables.append((self.step_costs, self.tree is None))
+        if self.tree is not None and self.shape_chooser is not None:
+            tables.append((self.chain_step_costs, True))
         if spec.draft_policy != "cost" or self.given_step_costs is not None or not tables \
                 or scheduler.running \
                 or scheduler.allocator.num_free_blocks != self.scheduler_config.num_blocks:
