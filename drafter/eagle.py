@@ -29,9 +29,11 @@ class EagleProposer:
     def __init__(self, head: torch.nn.Module, backend: type[AttentionBackend],
                  num_speculative_tokens: int, max_num_tokens: int, max_num_seqs: int,
                  max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device | str, tree=None) -> None:
+                 device: torch.device | str, tree=None, graphs=None) -> None:
         """tree: a StaticTree or DynamicTree (drafter/tree_spec.py) to enable propose_tree;
-        its backend must declare TREE_DRAFTING."""
+        its backend must declare TREE_DRAFTING. graphs: a DraftGraphPlan
+        (drafter/graphs.py) for the runners to build (captured on GPUs, replayed eagerly
+        elsewhere); None runs every loop eagerly."""
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if num_speculative_tokens > 1:
@@ -46,15 +48,29 @@ class EagleProposer:
         # Persistent buffers, sized once (the graph runner keeps its own static inputs).
         self.arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.arange_cpu = torch.arange(max_num_seqs + 1, dtype=torch.int32)
-        # Set by the engine on GPUs (drafter/graphs.py); None runs the steps eagerly.
-        self.graph_runner = None
+        self.graph_runner = None  # the chain loop's runner (drafter/graphs.py), or eager
         self.tree_drafter = None
-        self.tree_runner = None  # drafter/tree_graphs.py, set by the engine on GPUs
+        self.tree_runner = None  # the tree levels' runner (drafter/tree_graphs.py), or eager
         if tree is not None:
             from rocdraft.drafter.tree_draft import TreeDrafter
 
             require(backend.name, Feature.TREE_DRAFTING, "tree drafting (per-level tree masks)")
             self.tree_drafter = TreeDrafter(self, tree)
+        if graphs is not None:
+            self._build_runners(graphs)
+
+    def _build_runners(self, plan) -> None:
+        """The runners ``plan`` asks for: a tree's level loop (a depth-1 tree has none) and
+        the chain's k-draft loop (k = 1 has no loop)."""
+        from rocdraft.drafter.graphs import DraftLoopRunner
+        from rocdraft.drafter.tree_graphs import TreeLoopRunner
+
+        shape = (plan.kv_caches, plan.hidden_size, plan.max_blocks_per_seq, plan.buckets)
+        if plan.tree and self.tree_drafter is not None and self.tree_drafter.level_ends:
+            self.tree_runner = TreeLoopRunner(self.tree_drafter, *shape,
+                                              use_graphs=plan.use_graphs)
+        if plan.chain and self.num_speculative_tokens > 1:
+            self.graph_runner = DraftLoopRunner(self, *shape, use_graphs=plan.use_graphs)
 
     def validate_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
         """All draft layers must share one KV-cache group: same block size, blocks, layout."""

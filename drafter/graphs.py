@@ -25,6 +25,7 @@ eagerly through the static buffers.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -89,6 +90,23 @@ def capture_per_bucket(buckets: tuple[int, ...], loop
         graphs[bucket] = graph
         capture_bytes[bucket] = torch.cuda.memory_reserved() - before
     return graphs, capture_bytes
+
+
+@dataclass(frozen=True)
+class DraftGraphPlan:
+    """How an EagleProposer builds its graph runners (its constructor builds them): the
+    draft caches and shapes they need, the capture buckets, whether to capture
+    (``use_graphs``; False replays the same static buffers eagerly, the CPU path), and
+    which loops to build: the chain's k-draft loop (``chain``) and a tree's levels
+    (``tree``, when the proposer drafts trees deeper than one level)."""
+
+    kv_caches: list
+    hidden_size: int
+    max_blocks_per_seq: int
+    buckets: tuple[int, ...]
+    use_graphs: bool
+    chain: bool
+    tree: bool
 
 
 class DraftLoopRunner:

@@ -112,7 +112,7 @@ class SpeculativeConfig:
     # min(k, cap // num_requests) drafts, so extra verification compute stays bounded as the
     # batch grows (speculation pays less at large batches). None: always k.
     max_draft_tokens_per_step: int | None = None
-    # How many of those drafts each request verifies per step (rocdraft/draft_policy.py):
+    # How many of those drafts each request verifies per step (rocdraft/spec_decode/cost_model.py):
     # "cost" picks the count maximising expected tokens per second from the target's and the
     # head's measured costs and running acceptance rates; "fixed" always verifies the maximum.
     draft_policy: str = "cost"

@@ -34,3 +34,12 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
     if torch.device(device).type != "cuda":  # CPU: no copy; meta (tests): a plain move
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+# The dtype names rocdraft accepts (rocdraft.config.DTYPES) and their torch dtypes.
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": the name ``TORCH_DTYPES`` maps to ``dtype``."""
+    return {v: k for k, v in TORCH_DTYPES.items()}[dtype]

@@ -20,7 +20,7 @@ forward per level), for EAGLE's default static tree and a dynamic tree (``--tree
 "Per level" divides by the tree's depth (the first forward plus depth - 1 level forwards).
 The previous step's tokens are the accepted chain's (depth + 1 per request): op counts depend
 on the tree and the batch size, not on token counts. The target-side tree verification and KV
-compaction (rocdraft/tree_step.py) are not part of the drafter and not counted here.
+compaction (rocdraft/sample/tree_step.py) are not part of the drafter and not counted here.
 
 Usage: python scripts/bench_drafter.py [--batch-size B ...] [-k K] [--repeat R] [--json]
        [--no-trees] [--tree-depth D --tree-top-k K --tree-total-tokens N]

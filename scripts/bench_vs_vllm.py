@@ -27,7 +27,7 @@ def _batches(prompts: list, batch_size: int) -> list[list]:
 
 
 def make_prompts(args) -> None:
-    from rocdraft.corpus import heldout_prompts
+    from rocdraft.bench.corpus import heldout_prompts
     from rocdraft.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.target)

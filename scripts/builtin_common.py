@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rocdraft import corpus as builtin_corpus  # noqa: E402,F401  (shared with rocdraft bench)
+from rocdraft.bench import corpus as builtin_corpus  # noqa: E402,F401  (shared with rocdraft bench)
 
 EOT = "<|endoftext|>"
 PAD = "<|pad|>"

@@ -23,7 +23,7 @@ import torch
 
 from rocdraft import LLM, SamplingParams, SpeculativeConfig
 from rocdraft.builtin import builtin_paths
-from rocdraft.corpus import heldout_prompts
+from rocdraft.bench.corpus import heldout_prompts
 from rocdraft.drafter.tree_spec import EAGLE_DEFAULT_TREE
 
 

@@ -30,9 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from rocdraft import LLM, SamplingParams, SpeculativeConfig
 from rocdraft.builtin import builtin_paths
-from rocdraft.corpus import heldout_prompts
+from rocdraft.bench.corpus import heldout_prompts
 from rocdraft.outputs import GenerationStats
-from rocdraft.scheduler import Scheduler
+from rocdraft.core.scheduler import Scheduler
 
 PHASES = ("bookkeeping", "target_verify", "sampler", "draft")
 

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from rocdraft import backends_report as report_module
+from rocdraft.entrypoints import backends_report as report_module
 from rocdraft.backends import registry
-from rocdraft.backends_report import backends_report, format_backends_report
+from rocdraft.entrypoints.backends_report import backends_report, format_backends_report
 from rocdraft.platform import Platform, detect_platform
 
 CAPABILITY_KEYS = {"multi_token_drafting", "tree_drafting", "graph_capture", "kv_layouts",

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from checkpoints import write_eagle3_head, write_tiny_llama
-from rocdraft.cli import main
+from rocdraft.entrypoints.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_bench_compare_hf_same_tokens_as_transformers(capsys, pair):
 def test_bench_peer_decodes_exactly_max_new_tokens(pair):
     """EOS does not stop the peer (rocdraft's bench ignores EOS too), and left padding keeps
     each row's tokens: a batch of two equals each prompt alone."""
-    from rocdraft.bench_peers import HFPeer
+    from rocdraft.bench.bench_peers import HFPeer
 
     peer = HFPeer(pair["target"], "float32", "cpu")
     prompts = [[1, 5, 6, 7], [1, 30, 31]]
@@ -114,7 +114,7 @@ def test_compare_hf_without_transformers_is_one_line(capsys, pair, monkeypatch):
 
 
 def test_prompt_sets_batches_and_rotation():
-    from rocdraft.bench_cli import batches_of, prompt_set, rotated, spread
+    from rocdraft.bench.bench_cli import batches_of, prompt_set, rotated, spread
 
     pool = ["a", "b", "c"]
     assert prompt_set(pool, 4, 2) == ["a", "b", "c", "a"]
@@ -185,12 +185,12 @@ def test_plot_without_matplotlib_names_the_extra(capsys, pair, monkeypatch, tmp_
 ])
 def test_bench_bad_sampling_values_fail_before_loading(capsys, pair, args, fragment,
                                                        monkeypatch):
-    import rocdraft.cli_options
+    import rocdraft.entrypoints.cli_options
 
     def no_loading(args):
         raise AssertionError("models were loaded before the sampling values were checked")
 
-    monkeypatch.setattr(rocdraft.cli_options, "make_llm", no_loading)
+    monkeypatch.setattr(rocdraft.entrypoints.cli_options, "make_llm", no_loading)
     rc, out, err = bench(capsys, pair, *args)
     assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
 
@@ -200,12 +200,12 @@ def test_bench_bad_sampling_values_fail_before_loading(capsys, pair, args, fragm
 def test_bad_plot_path_fails_before_loading(capsys, pair, tmp_path, monkeypatch, name,
                                             fragment):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
-    import rocdraft.cli_options
+    import rocdraft.entrypoints.cli_options
 
     def no_loading(args):
         raise AssertionError("models were loaded before --plot was checked")
 
-    monkeypatch.setattr(rocdraft.cli_options, "make_llm", no_loading)
+    monkeypatch.setattr(rocdraft.entrypoints.cli_options, "make_llm", no_loading)
     rc, out, err = bench(capsys, pair, "--plot", str(tmp_path / name))
     assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
 
@@ -214,7 +214,7 @@ def test_interrupted_plot_leaves_the_old_file_and_no_partial_one(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
     from matplotlib.figure import Figure
 
-    from rocdraft.bench_cli import _save_atomically
+    from rocdraft.bench.bench_cli import _save_atomically
 
     class Interrupted(Figure):
         def savefig(self, f, **kwargs):
@@ -238,11 +238,11 @@ def test_interrupted_plot_leaves_the_old_file_and_no_partial_one(tmp_path):
 def test_bench_compare_builtin_pair_side_by_side(capsys, tmp_path, monkeypatch):
     """target-only, the chain and a dynamic tree in one run on the built-in pair: the same
     greedy outputs, real acceptance, and a plot with every system."""
-    import rocdraft.bench_cli
+    import rocdraft.bench.bench_cli
 
     figures = []
-    real_save = rocdraft.bench_cli._save_atomically
-    monkeypatch.setattr(rocdraft.bench_cli, "_save_atomically",
+    real_save = rocdraft.bench.bench_cli._save_atomically
+    monkeypatch.setattr(rocdraft.bench.bench_cli, "_save_atomically",
                         lambda fig, path: (figures.append(fig), real_save(fig, path)))
     has_plot = True
     try:
@@ -279,7 +279,7 @@ def test_bench_compare_builtin_pair_side_by_side(capsys, tmp_path, monkeypatch):
     assert chain["tree_kind"] is None and "per_depth_acceptance" not in chain
     assert len(chain["per_position_acceptance"]) == 4 and chain["nodes_per_verify_step"] <= 4
     assert dynamic["tree_kind"] == "dynamic"
-    # chains of up to 4 where the shape chooser drafted them (rocdraft/draft_shape.py): the
+    # chains of up to 4 where the shape chooser drafted them (rocdraft/spec_decode/draft_shape.py): the
     # share of steps that verified trees is reported
     assert len(dynamic["per_depth_acceptance"]) == 5 \
         and 1 <= dynamic["nodes_per_verify_step"] <= 15
@@ -337,12 +337,12 @@ def test_bench_compare_table_lists_every_system(capsys, pair):
      "--speculative-token-tree given but --compare 'dynamic' runs no static tree"),
 ])
 def test_bad_compare_fails_before_loading(capsys, pair, monkeypatch, args, fragment):
-    import rocdraft.cli_options
+    import rocdraft.entrypoints.cli_options
 
     def no_loading(args):
         raise AssertionError("models were loaded before --compare was checked")
 
-    monkeypatch.setattr(rocdraft.cli_options, "make_llm", no_loading)
+    monkeypatch.setattr(rocdraft.entrypoints.cli_options, "make_llm", no_loading)
     rc, out, err = bench(capsys, pair, *args)
     assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
 
@@ -356,7 +356,7 @@ def test_bench_bad_tree_is_a_one_line_error(capsys, pair):
 def test_compare_system_args_defaults():
     import argparse
 
-    from rocdraft.bench_cli import DEFAULT_DYNAMIC_TREE, system_args
+    from rocdraft.bench.bench_cli import DEFAULT_DYNAMIC_TREE, system_args
 
     args = argparse.Namespace(speculative_token_tree=None, tree_depth=None, tree_top_k=None,
                               tree_total_tokens=None, num_speculative_tokens=3)

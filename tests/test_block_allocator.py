@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invariant,
                                  precondition, rule)
 
-from rocdraft.block_allocator import BlockAllocator
+from rocdraft.core.block_allocator import BlockAllocator
 
 
 class AllocatorMachine(RuleBasedStateMachine):

@@ -16,8 +16,8 @@ from rocdraft import LLM, SamplingParams, SpeculativeConfig
 from rocdraft.backends.kv_cache import allocate_kv_cache
 from rocdraft.backends.registry import get_backend
 from rocdraft.builtin import builtin_paths
-from rocdraft.cli import main
-from rocdraft.corpus import heldout_prompts
+from rocdraft.entrypoints.cli import main
+from rocdraft.bench.corpus import heldout_prompts
 from rocdraft.models.draft_loader import load_draft
 from rocdraft.models.llama import load_target
 

@@ -1,7 +1,7 @@
 """``rocdraft`` CLI: ``generate`` (JSON shape, greedy tokens equal transformers', prompt
 sources, speculative methods lossless, per-request failures), ``backends``, and user errors
 (one ``rocdraft: error:`` line on stderr, exit code 2, no traceback). Most calls run
-``rocdraft.cli.main`` in-process; two go through ``python -m rocdraft.cli`` and the
+``rocdraft.entrypoints.cli.main`` in-process; two go through ``python -m rocdraft.entrypoints.cli`` and the
 ``rocdraft`` console script to prove the entry points."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from checkpoints import write_eagle1_head, write_eagle3_head, write_tiny_llama
 from rocdraft.backends import registry
-from rocdraft.cli import main
+from rocdraft.entrypoints.cli import main
 from rocdraft.platform import detect_platform
 
 OUTPUT_KEYS = {"prompt_token_ids", "token_ids", "text", "finish_reason"}
@@ -650,11 +650,11 @@ def test_a_missing_extra_is_one_line_naming_it(capsys, monkeypatch, command, mod
 def test_a_command_whose_module_is_absent_is_one_line(capsys, monkeypatch):
     import dataclasses
 
-    import rocdraft.cli
+    import rocdraft.entrypoints.cli
 
-    absent = dataclasses.replace(rocdraft.cli.COMMANDS["serve"], module="rocdraft.absent.command",
+    absent = dataclasses.replace(rocdraft.entrypoints.cli.COMMANDS["serve"], module="rocdraft.absent.command",
                                  needs=())
-    monkeypatch.setitem(rocdraft.cli.COMMANDS, "serve", absent)
+    monkeypatch.setitem(rocdraft.entrypoints.cli.COMMANDS, "serve", absent)
     assert_user_error(*run_cli(capsys, "serve"), "rocdraft serve is not part of this install",
                       "rocdraft.absent")
 
@@ -665,7 +665,7 @@ def test_serve_takes_the_model_flags(capsys):
 
     if any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn")):
         pytest.skip("the serve extra (fastapi, uvicorn) is not installed")
-    from rocdraft.cli import build_parser
+    from rocdraft.entrypoints.cli import build_parser
 
     args = build_parser("serve").parse_args(["serve", "--port", "8123", "--target", "/t",
                                              "--num-speculative-tokens", "2"])
@@ -690,7 +690,7 @@ def entry_point_processes(request, ckpt):
         return
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     module = subprocess.Popen(
-        [sys.executable, "-m", "rocdraft.cli", "generate", "--target", str(ckpt["target"]),
+        [sys.executable, "-m", "rocdraft.entrypoints.cli", "generate", "--target", str(ckpt["target"]),
          "--prompt-ids", PROMPT_A, "--max-new-tokens", "4", "--json"], **pipes)
     script = subprocess.Popen(
         [_console_script(), "generate", "--target", str(ckpt["missing"]), "--prompt-ids",
@@ -703,7 +703,7 @@ def entry_point_processes(request, ckpt):
 
 
 def test_entry_points(capsys, ckpt, entry_point_processes):
-    """``python -m rocdraft.cli`` and the ``rocdraft`` console script, in real processes."""
+    """``python -m rocdraft.entrypoints.cli`` and the ``rocdraft`` console script, in real processes."""
     module, script = entry_point_processes
     module_out, module_err = module.communicate(timeout=120)
     script_out, script_err = script.communicate(timeout=120)
@@ -743,7 +743,7 @@ def test_seed_gives_each_prompt_its_own_stream(capsys, ckpt):
 
 # --- Ctrl-C ----------------------------------------------------------------------------------
 
-# Runs ``python -m rocdraft.cli`` (through runpy, as -m does) after wrapping LLM._step so that
+# Runs ``python -m rocdraft.entrypoints.cli`` (through runpy, as -m does) after wrapping LLM._step so that
 # the first step announces itself on stderr: the test interrupts a run that is generating.
 _ANNOUNCING_CHILD = """
 import runpy, sys
@@ -756,7 +756,7 @@ def announced(self, *args, **kwargs):
     return step(self, *args, **kwargs)
 rocdraft.engine.LLM._step = announced
 sys.argv[0] = "rocdraft"
-runpy.run_module("rocdraft.cli", run_name="__main__", alter_sys=True)
+runpy.run_module("rocdraft.entrypoints.cli", run_name="__main__", alter_sys=True)
 """
 
 

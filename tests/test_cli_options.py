@@ -8,7 +8,7 @@ import re
 import pytest
 
 from checkpoints import write_eagle1_head, write_eagle3_head, write_tiny_llama
-from rocdraft.cli_options import (CliParser, add_model_args, make_llm_kwargs, read_prompts_file,
+from rocdraft.entrypoints.cli_options import (CliParser, add_model_args, make_llm_kwargs, read_prompts_file,
                                   resolve_method, sizing_kwargs, tree_description,
                                   tree_flags_given, tree_kwargs)
 from rocdraft.config import SpeculativeConfig

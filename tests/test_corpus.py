@@ -1,7 +1,7 @@
-"""rocdraft.corpus: the standard-library split of the built-in pair and its held-out prompts."""
+"""rocdraft.bench.corpus: the standard-library split of the built-in pair and its held-out prompts."""
 from __future__ import annotations
 
-from rocdraft.corpus import heldout_files, heldout_prompts, is_heldout, stdlib_root, training_files
+from rocdraft.bench.corpus import heldout_files, heldout_prompts, is_heldout, stdlib_root, training_files
 
 
 def test_split_is_disjoint_and_follows_the_letter_rule():

@@ -260,7 +260,7 @@ def test_two_tp_engines_in_one_process(pair, reference):
 
 
 def test_cli_generate_tp2_equals_tp1(pair, capsys):
-    from rocdraft.cli import main
+    from rocdraft.entrypoints.cli import main
 
     def run(tp: int) -> list:
         argv = ["generate", "--target", pair["target"], "--draft", pair["eagle3"],
@@ -284,7 +284,7 @@ def test_torchrun_launch_equals_tp1(pair, tmp_path):
     from rocdraft.distributed.group import free_port
 
     def run(launcher: tuple[str, ...], tp: int) -> list:
-        argv = [*launcher, "-m", "rocdraft.cli", "generate", "--target", pair["target"],
+        argv = [*launcher, "-m", "rocdraft.entrypoints.cli", "generate", "--target", pair["target"],
                 "--draft", pair["eagle3"], "--prompt-ids", "1,5,7,9", "--max-new-tokens", "8",
                 "--ignore-eos", "--json", "--tensor-parallel-size", str(tp),
                 "--attention-backend", FAST_BACKEND]

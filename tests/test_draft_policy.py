@@ -1,7 +1,7 @@
 """The draft-count policy: pure choices from given costs and rates."""
 import pytest
 
-from rocdraft.draft_policy import (PRIOR_WEIGHT, AcceptanceTracker, StepCosts, batch_bucket,
+from rocdraft.spec_decode.cost_model import (PRIOR_WEIGHT, AcceptanceTracker, StepCosts, batch_bucket,
                                    choose_num_drafts, expected_tokens)
 
 MS = 1e-3
@@ -86,7 +86,7 @@ def test_batch_bucket():
 
 
 def test_speculation_must_beat_plain_decoding_by_the_margin():
-    from rocdraft.draft_policy import SPECULATION_MARGIN
+    from rocdraft.spec_decode.cost_model import SPECULATION_MARGIN
 
     # d = 1 costs one extra verified token and a head forward: tune alpha so E(1)/T(1) is
     # just above / just below SPECULATION_MARGIN x the plain rate.

@@ -1,4 +1,4 @@
-"""Tree or chain per batch bucket (rocdraft/draft_shape.py): the probe and choice schedule of
+"""Tree or chain per batch bucket (rocdraft/spec_decode/draft_shape.py): the probe and choice schedule of
 the docstring, the averaged samples, and the engine drafting chains in tree mode with greedy
 output unchanged."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
 from rocdraft.config import SamplingParams, SpeculativeConfig
-from rocdraft.draft_policy import StepCosts
-from rocdraft.draft_shape import (EXPLORE_EVERY, MAX_CYCLE, MIN_TIME_SAMPLES, PROBE_STEPS,
+from rocdraft.spec_decode.cost_model import StepCosts
+from rocdraft.spec_decode.draft_shape import (EXPLORE_EVERY, MAX_CYCLE, MIN_TIME_SAMPLES, PROBE_STEPS,
                                   TIME_SAMPLES, TOKEN_SAMPLES, DraftShapeChooser,
                                   chain_on_path, chain_on_tree_step, rank0_flags)
 from rocdraft.engine import LLM

@@ -17,8 +17,8 @@ from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.drafter.eagle import EagleProposer
 from rocdraft.engine import LLM
 from rocdraft.errors import RocdraftError, UnsupportedFeatureError
-from rocdraft.scheduler import Scheduler
-from rocdraft.step_batch import build_step_batch
+from rocdraft.core.scheduler import Scheduler
+from rocdraft.core.step_batch import build_step_batch
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select",
             "unique", "_unique2", "item"}

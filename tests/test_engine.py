@@ -299,8 +299,8 @@ def count_ops(fn):
 
 
 def test_greedy_rejection_without_drafts_is_one_op():
-    from rocdraft.rejection_sampler import rejection_sample
-    from rocdraft.sampler import SamplingTensors
+    from rocdraft.sample.rejection_sampler import rejection_sample
+    from rocdraft.sample.sampler import SamplingTensors
 
     logits = torch.randn(8, 1, 32)
     sampling = SamplingTensors.build([SamplingParams(temperature=0.0)] * 8, [None] * 8, "cpu")

@@ -130,10 +130,10 @@ def test_tree_speculation_with_captured_levels_equals_target_only(pair, backend,
 
 @pytest.mark.parametrize("backend", ["TORCH_SDPA", "TRITON_ATTN"])
 def test_tree_config_drafting_chains_replays_the_captured_chain_loop(pair, backend):
-    """A tree config under the cost policy may draft chains (rocdraft/draft_shape.py): on a
+    """A tree config under the cost policy may draft chains (rocdraft/spec_decode/draft_shape.py): on a
     GPU their loop replays the captured chain graphs beside the captured tree levels."""
-    from rocdraft.draft_policy import StepCosts
-    from rocdraft.draft_shape import MIN_TIME_SAMPLES
+    from rocdraft.spec_decode.cost_model import StepCosts
+    from rocdraft.spec_decode.draft_shape import MIN_TIME_SAMPLES
     from rocdraft.engine import LLM
 
     reason = _runnable(backend)

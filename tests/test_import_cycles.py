@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "rocdraft"
-CLI_MODULES = ("rocdraft.cli", "rocdraft.bench_cli", "rocdraft.serve_bench",
+CLI_MODULES = ("rocdraft.entrypoints.cli", "rocdraft.bench.bench_cli", "rocdraft.bench.serve_bench",
                "rocdraft.serve.command")
 
 
 def module_files(root: Path = ROOT, package: str = "rocdraft") -> dict[str, Path]:
-    """rocdraft/cli.py -> {"rocdraft.cli": path}; rocdraft/serve/__init__.py -> "rocdraft.serve"."""
+    """rocdraft/entrypoints/cli.py -> {"rocdraft.entrypoints.cli": path}; rocdraft/serve/__init__.py -> "rocdraft.serve"."""
     modules = {}
     for path in sorted(root.rglob("*.py")):
         parts = list(path.relative_to(root).with_suffix("").parts)
@@ -141,18 +141,18 @@ def test_cli_modules_do_not_import_each_other():
             continue  # rocdraft.serve is another module's work; checked once it exists
         others = reachable(graph, name) & (set(CLI_MODULES) - {name})
         assert not others, f"{name} imports {sorted(others)}"
-    assert "rocdraft.cli_options" in graph["rocdraft.bench_cli"]
-    assert "rocdraft.cli_options" in graph["rocdraft.cli"]
+    assert "rocdraft.entrypoints.cli_options" in graph["rocdraft.bench.bench_cli"]
+    assert "rocdraft.entrypoints.cli_options" in graph["rocdraft.entrypoints.cli"]
 
 
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_a_subcommand_loads_only_its_own_module(command):
     """In a fresh interpreter, parsing ``rocdraft generate`` imports neither the bench, the
     server nor fastapi; ``rocdraft bench`` imports its module but not the server's."""
-    code = ("import sys; from rocdraft.cli import build_parser, COMMANDS\n"
+    code = ("import sys; from rocdraft.entrypoints.cli import build_parser, COMMANDS\n"
             f"build_parser({command!r}).parse_args([{command!r}])\n"
-            "print(sorted(m for m in ('rocdraft.bench_cli', 'rocdraft.serve_bench', "
+            "print(sorted(m for m in ('rocdraft.bench.bench_cli', 'rocdraft.bench.serve_bench', "
             "'rocdraft.serve.command', 'fastapi', 'httpx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
-    assert out == ("[]" if command == "generate" else "['rocdraft.bench_cli']")
+    assert out == ("[]" if command == "generate" else "['rocdraft.bench.bench_cli']")

@@ -1,4 +1,4 @@
-"""KV-cache sizing (rocdraft/kv_budget.py): memory sizes parsed and refused, blocks from one
+"""KV-cache sizing (rocdraft/core/kv_budget.py): memory sizes parsed and refused, blocks from one
 budget for the target's and the head's caches, the worked examples of the module docstring,
 and the engine sized by it: a tiny budget preempts and still gives the large budget's greedy
 tokens; a budget below one request names both numbers."""
@@ -8,7 +8,7 @@ import pytest
 
 from checkpoints import write_eagle3_head, write_tiny_llama
 from rocdraft.errors import RocdraftError
-from rocdraft.kv_budget import (DEFAULT_CPU_KV_CACHE_BYTES, blocks_per_request, format_bytes,
+from rocdraft.core.kv_budget import (DEFAULT_CPU_KV_CACHE_BYTES, blocks_per_request, format_bytes,
                                 head_cache_spec, kv_bytes_per_block, parse_memory_size,
                                 plan_kv_cache)
 

@@ -1,10 +1,10 @@
-"""Prompt reading and the reasons a prompt cannot run (rocdraft/prompts.py)."""
+"""Prompt reading and the reasons a prompt cannot run (rocdraft/core/prompts.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rocdraft.prompts import prompt_error, tokenize_prompt
+from rocdraft.core.prompts import prompt_error, tokenize_prompt
 
 
 class _Tok:

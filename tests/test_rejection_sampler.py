@@ -7,8 +7,8 @@ import torch
 
 import stats
 from rocdraft.config import SamplingParams
-from rocdraft.rejection_sampler import rejection_sample
-from rocdraft.sampler import SamplingTensors, target_probs
+from rocdraft.sample.rejection_sampler import rejection_sample
+from rocdraft.sample.sampler import SamplingTensors, target_probs
 
 
 def one_hot_logits(tokens_per_row, vocab):

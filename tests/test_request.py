@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rocdraft.config import SamplingParams
-from rocdraft.request import Request, Status
+from rocdraft.core.request import Request, Status
 
 EOS = 2
 MAX_MODEL_LEN = 100

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from stats import chi_square_p_value
 from rocdraft.config import SamplingParams
-from rocdraft.rejection_sampler import rejection_sample
-from rocdraft.sampler import SamplingTensors, sample_from_probs, target_probs
+from rocdraft.sample.rejection_sampler import rejection_sample
+from rocdraft.sample.sampler import SamplingTensors, sample_from_probs, target_probs
 
 
 def naive_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
@@ -201,7 +201,7 @@ def test_sampled_token_distribution_matches_target_probs(temperature, top_k, top
 
 
 def test_sampling_tensor_cache_rebuilds_only_when_the_batch_params_change():
-    from rocdraft.sampler import SamplingTensorCache
+    from rocdraft.sample.sampler import SamplingTensorCache
 
     cache = SamplingTensorCache()
     greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, seed=3)

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from rocdraft.config import SamplingParams, SchedulerConfig
-from rocdraft.request import Request, Status
-from rocdraft.scheduler import Scheduler
+from rocdraft.core.request import Request, Status
+from rocdraft.core.scheduler import Scheduler
 
 
 def make_request(rid: int, prompt_len: int, max_tokens: int = 4) -> Request:

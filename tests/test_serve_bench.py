@@ -12,7 +12,7 @@ import math
 import pytest
 
 from rocdraft.errors import RocdraftError
-from rocdraft.serve_bench import (DONE, RequestResult, apply_chunk, arrival_offsets, drive,
+from rocdraft.bench.serve_bench import (DONE, RequestResult, apply_chunk, arrival_offsets, drive,
                                   model_flags, overall_acceptance, parse_sse_line, percentiles,
                                   stream_completion, summarize)
 
@@ -166,13 +166,13 @@ def test_drive_caps_concurrency_and_keeps_prompt_order():
 
 
 def _generate_args(*argv) -> argparse.Namespace:
-    from rocdraft.cli import build_parser
+    from rocdraft.entrypoints.cli import build_parser
 
     return build_parser("generate").parse_args(["generate", *argv])
 
 
 def test_model_flags_round_trip_and_override():
-    from rocdraft.cli import build_parser
+    from rocdraft.entrypoints.cli import build_parser
 
     argv = ["--target", "/t", "--draft", "/d", "--num-speculative-tokens", "2",
             "--enforce-eager", "--max-num-seqs", "8", "--kv-cache-memory", "1GiB"]
@@ -186,7 +186,7 @@ def test_model_flags_round_trip_and_override():
 
 
 def _bench_serve_args(*argv) -> argparse.Namespace:
-    from rocdraft.serve_bench import add_bench_serve_args
+    from rocdraft.bench.serve_bench import add_bench_serve_args
 
     parser = argparse.ArgumentParser()
     add_bench_serve_args(parser)
@@ -201,14 +201,14 @@ def _bench_serve_args(*argv) -> argparse.Namespace:
     (["--method", "none"], "compares against speculative decoding"),
 ])
 def test_bad_flags_fail_before_any_server_starts(argv, fragment, monkeypatch):
-    import rocdraft.serve_bench
+    import rocdraft.bench.serve_bench
 
     def no_server(*args, **kwargs):
         raise AssertionError("a server was started before the flags were checked")
 
-    monkeypatch.setattr(rocdraft.serve_bench, "ServerProcess", no_server)
+    monkeypatch.setattr(rocdraft.bench.serve_bench, "ServerProcess", no_server)
     with pytest.raises(RocdraftError, match=fragment):
-        rocdraft.serve_bench.run_bench_serve(_bench_serve_args(*argv))
+        rocdraft.bench.serve_bench.run_bench_serve(_bench_serve_args(*argv))
 
 
 def test_defaults():
@@ -231,7 +231,7 @@ def _serve_ready() -> str | None:
 @pytest.mark.skipif(_serve_ready() is not None, reason=str(_serve_ready()))
 def test_end_to_end_small_run(capsys):
     """2 prompts x 4 tokens, 2 clients, against the real server (built-in pair)."""
-    from rocdraft.cli import main
+    from rocdraft.entrypoints.cli import main
 
     rc = main(["bench-serve", "--num-prompts", "2", "--max-tokens", "4", "--concurrency", "2",
                "--num-speculative-tokens", "2", "--max-model-len", "256", "--json"])
@@ -294,7 +294,7 @@ def test_bench_server_against_a_stub_server(tmp_path, monkeypatch):
     pytest.importorskip("httpx", reason="bench-serve needs httpx (the serve extra)")
     import sys
 
-    import rocdraft.serve_bench as sb
+    import rocdraft.bench.serve_bench as sb
 
     stub = tmp_path / "stub.py"
     stub.write_text(STUB_SERVER)
@@ -311,7 +311,7 @@ def test_bench_server_against_a_stub_server(tmp_path, monkeypatch):
 def test_a_server_that_exits_names_its_last_line(monkeypatch):
     import sys
 
-    import rocdraft.serve_bench as sb
+    import rocdraft.bench.serve_bench as sb
 
     pytest.importorskip("httpx", reason="bench-serve needs httpx (the serve extra)")
     monkeypatch.setattr(sb, "server_argv", lambda flags, host, port: [

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rocdraft.config import SamplingParams
-from rocdraft.request import Request, Status
-from rocdraft.scheduler import ScheduledRequest
-from rocdraft.step_batch import build_step_batch
+from rocdraft.core.request import Request, Status
+from rocdraft.core.scheduler import ScheduledRequest
+from rocdraft.core.step_batch import build_step_batch
 
 BLOCK_SIZE = 4
 
@@ -242,7 +242,7 @@ def test_tree_rows_get_depth_positions_sequential_slots_and_a_per_request_mask()
 
 
 def test_a_chain_beside_a_tree_gets_one_child_per_level():
-    """Tree mode may draft a chain for some requests (rocdraft/draft_shape.py) while another
+    """Tree mode may draft a chain for some requests (rocdraft/spec_decode/draft_shape.py) while another
     still holds a tree from an earlier step: the chain rides along as parents -1, 0, 1."""
     tree = make_request(0, [1, 2, 3], [4], 3, [6, 7], drafts=[50, 51, 52])
     tree.spec_parents = [-1, -1, 0]

@@ -1,4 +1,4 @@
-"""The cost policy's realized-throughput guard (rocdraft/throughput_guard.py): the probe and
+"""The cost policy's realized-throughput guard (rocdraft/spec_decode/throughput_guard.py): the probe and
 veto schedule of the docstring, the averaged samples, and the engine feeding it pure steps and
 obeying a veto with unchanged greedy output."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
 from rocdraft.config import SamplingParams, SpeculativeConfig
-from rocdraft.draft_policy import StepCosts
+from rocdraft.spec_decode.cost_model import StepCosts
 from rocdraft.engine import LLM
-from rocdraft.throughput_guard import (PLAIN_EVERY, PLAIN_PROBE, SAMPLE_WEIGHT, SPEC_PROBE_STEPS,
+from rocdraft.spec_decode.throughput_guard import (PLAIN_EVERY, PLAIN_PROBE, SAMPLE_WEIGHT, SPEC_PROBE_STEPS,
                                        ThroughputGuard)
 
 PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11]

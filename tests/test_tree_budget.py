@@ -1,4 +1,4 @@
-"""The cost-based batch budget of dynamic trees (rocdraft/tree_budget.py): the counts of
+"""The cost-based batch budget of dynamic trees (rocdraft/spec_decode/tree_budget.py): the counts of
 ``accepted_within`` against a naive per-n walk, the running estimate, the docstring's worked
 example and the choice's response to cheap and dear verification."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rocdraft.draft_policy import StepCosts
+from rocdraft.spec_decode.cost_model import StepCosts
 from rocdraft.drafter.tree_spec import DynamicTree
-from rocdraft.tree_budget import TreeAcceptanceEstimate, accepted_within, choose_nodes_per_request
+from rocdraft.spec_decode.tree_budget import TreeAcceptanceEstimate, accepted_within, choose_nodes_per_request
 
 FAST = settings(max_examples=80, deadline=None)
 

@@ -9,9 +9,9 @@ import torch
 import stats
 from rocdraft.config import SamplingParams
 from rocdraft.errors import RocdraftError
-from rocdraft.rejection_sampler import rejection_sample
-from rocdraft.sampler import SamplingTensors, target_probs
-from rocdraft.tree_sampler import tree_verify
+from rocdraft.sample.rejection_sampler import rejection_sample
+from rocdraft.sample.sampler import SamplingTensors, target_probs
+from rocdraft.sample.tree_sampler import tree_verify
 
 # Nodes (0,), (1,), (2,), (0, 0), (0, 1), (1, 0): three root children, two under node 0, one
 # under node 1 (BFS order, siblings by rank).

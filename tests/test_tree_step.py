@@ -1,4 +1,4 @@
-"""Tree speculative decoding through the engine (rocdraft/tree_step.py and the tree step of
+"""Tree speculative decoding through the engine (rocdraft/sample/tree_step.py and the tree step of
 rocdraft/engine.py): greedy output equals target-only token for token for static (uniform and
 EAGLE's non-uniform) and EAGLE-2 dynamic trees, EAGLE-1 and EAGLE-3 heads, padded and unpadded
 drafting, ragged batches with chunked prefill, on every backend of the matrix; seeded sampling
@@ -83,7 +83,7 @@ def test_greedy_tree_speculation_equals_target_only(pair, reference, tree, metho
 @pytest.mark.parametrize("tree", ["uniform", "dynamic"])
 def test_seeded_tree_sampling_equals_seeded_target_only(pair, tree):
     """The tree sampler draws the target's own noise per emitted position, so a seeded request
-    emits exactly what target-only decoding emits (rocdraft/tree_sampler.py)."""
+    emits exactly what target-only decoding emits (rocdraft/sample/tree_sampler.py)."""
     expected = [o.token_ids for o in LLM(pair["target"]).generate(PROMPTS, SEEDED)]
     llm = tree_llm(pair, "eagle3", tree)
     assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == expected
@@ -232,7 +232,7 @@ def _recorded_budgets(llm: LLM) -> list[tuple[int, int | None]]:
 def test_cost_policy_budgets_dynamic_trees_from_costs_and_measured_acceptance(pair,
                                                                                 reference):
     """Under the cost policy a dynamic tree's batch budget comes from the step costs and the
-    acceptance measured on full-size trees (rocdraft/tree_budget.py): full trees first, then
+    acceptance measured on full-size trees (rocdraft/spec_decode/tree_budget.py): full trees first, then
     dear verification keeps one node per request while cheap verification and levels keep
     the full trees; greedy output is the target's either way."""
     chosen = {}

@@ -14,6 +14,7 @@ from rocdraft.distributed.executor import TensorParallelExecutor, start_executor
 from rocdraft.distributed.validation import check_tensor_parallel
 from rocdraft.distributed.worker import WorkerSpec
 from rocdraft.models.config import load_model_config
+from rocdraft.platform import dtype_name
 
 
 def start_tensor_parallel(target: str, tp_size: int, backend: str | None, device: str,
@@ -23,16 +24,12 @@ def start_tensor_parallel(target: str, tp_size: int, backend: str | None, device
     return start_executor(tp_size, backend, device, timeout_s)
 
 
-def worker_spec(engine, block_size: int, num_blocks: int) -> WorkerSpec:
-    """The spec of ``engine`` (an LLMEngine whose target and head are loaded)."""
-    config = engine.config
-    threads = max(1, torch.get_num_threads() // engine.executor.tp_size)
+def worker_spec(target: str, tp_size: int, torch_dtype: torch.dtype, device: str,
+                attention_backend: str, block_size: int, num_blocks: int) -> WorkerSpec:
+    """What the workers need from rank 0 once its target and head are loaded: the target
+    directory, dtype and device kind, the chosen attention backend and the KV blocks per rank."""
     return WorkerSpec(
-        target=config.target,
-        dtype={v: k for k, v in _DTYPE_NAMES.items()}[engine.torch_dtype],
-        device="cpu" if engine.device == "cpu" else "cuda",
-        attention_backend=engine.backend.name,
-        block_size=block_size, num_blocks=num_blocks, num_threads=threads)
-
-
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        target=target, dtype=dtype_name(torch_dtype),
+        device="cpu" if device == "cpu" else "cuda", attention_backend=attention_backend,
+        block_size=block_size, num_blocks=num_blocks,
+        num_threads=max(1, torch.get_num_threads() // tp_size))

@@ -1,6 +1,6 @@
 """``rocdraft serve``: the OpenAI-compatible server's flags and its run.
 
-    add_serve_args(parser)   the shared model flags (rocdraft.cli_options) + the server's own
+    add_serve_args(parser)   the shared model flags (rocdraft.entrypoints.cli_options) + the server's own
     run_serve(args) -> int   load the engine, serve until SIGINT/SIGTERM, exit 0
 
 Shutdown: on SIGINT or SIGTERM uvicorn stops accepting connections and waits up to
@@ -24,7 +24,7 @@ BUILTIN_MODEL_NAME = "rocdraft-builtin"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from rocdraft.cli_options import add_model_args
+    from rocdraft.entrypoints.cli_options import add_model_args
 
     add_model_args(p)
     srv = p.add_argument_group("server")
@@ -104,7 +104,7 @@ def make_server(engine, settings, host: str, port: int, shutdown_timeout: float 
 
 
 def run_serve(args) -> int:
-    from rocdraft.cli_options import make_llm_kwargs, prepare_environment
+    from rocdraft.entrypoints.cli_options import make_llm_kwargs, prepare_environment
     from rocdraft.engine import LLMEngine
 
     prepare_environment()
@@ -130,7 +130,7 @@ def run_serve(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m rocdraft.serve.command`` (what ``rocdraft serve`` runs)."""
-    from rocdraft.cli_options import CliParser
+    from rocdraft.entrypoints.cli_options import CliParser
     from rocdraft.errors import RocdraftError
 
     parser = CliParser(prog="rocdraft serve")

@@ -42,7 +42,7 @@ SYSTEMS = ("target_only", "speculative")
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
-    from rocdraft.cli_options import add_model_args
+    from rocdraft.entrypoints.cli_options import add_model_args
 
     add_model_args(p)
     p.add_argument("--prompts-file", help="one prompt per line (.jsonl: JSON strings; default: "
@@ -245,7 +245,7 @@ def model_flags(args, **override) -> list[str]:
     """The model flags of ``args`` that differ from their defaults, as command-line arguments
     (``override`` replaces values first; None drops a flag): {"method": "none", "draft": None}
     -> ["--method", "none", ...]."""
-    from rocdraft.cli_options import add_model_args
+    from rocdraft.entrypoints.cli_options import add_model_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_model_args(parser)
@@ -262,7 +262,7 @@ def model_flags(args, **override) -> list[str]:
 
 
 def server_argv(flags: list[str], host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "rocdraft.cli", "serve", "--host", host, "--port", str(port),
+    return [sys.executable, "-m", "rocdraft.entrypoints.cli", "serve", "--host", host, "--port", str(port),
             *flags]
 
 
@@ -342,7 +342,7 @@ def bench_server(flags: list[str], prompts: list, args) -> dict:
 
 def bench_generate(args, prompts: list, **override) -> dict:
     """LLM.generate on the same prompts, at most --concurrency running at once."""
-    from rocdraft.cli_options import make_llm
+    from rocdraft.entrypoints.cli_options import make_llm
     from rocdraft.config import SamplingParams
 
     gen_args = argparse.Namespace(**{**vars(args), **override,
@@ -376,19 +376,19 @@ def _check_args(args) -> None:
 
 
 def _prompts(args) -> list[str]:
-    from rocdraft.cli_options import read_prompts_file
+    from rocdraft.entrypoints.cli_options import read_prompts_file
 
     if args.prompts_file:
         pool = read_prompts_file(args.prompts_file)
     else:
-        from rocdraft.corpus import heldout_prompts
+        from rocdraft.bench.corpus import heldout_prompts
 
         pool = heldout_prompts(n=max(64, args.num_prompts), prompt_tokens=96, seed=0)
     return [pool[i % len(pool)] for i in range(args.num_prompts)]
 
 
 def run_bench_serve(args) -> int:
-    from rocdraft.cli_options import resolve_method
+    from rocdraft.entrypoints.cli_options import resolve_method
     from rocdraft.errors import RocdraftError
 
     _check_args(args)

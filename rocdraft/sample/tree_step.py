@@ -18,9 +18,9 @@ import torch
 from rocdraft.backends.kv_compact import compact_kv_layers
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.drafter.tree_index import accepted_first_order
-from rocdraft.sampler import SamplingTensors
-from rocdraft.step_batch import StepBatch
-from rocdraft.tree_sampler import TreeVerifyResult, tree_verify
+from rocdraft.sample.sampler import SamplingTensors
+from rocdraft.core.step_batch import StepBatch
+from rocdraft.sample.tree_sampler import TreeVerifyResult, tree_verify
 
 
 def verify_tree_step(logits: torch.Tensor, batch: StepBatch, sampling: SamplingTensors,

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from rocdraft.bench_peers import PROMPT_LOOKUP_TOKENS, HFPeer
+from rocdraft.bench.bench_peers import PROMPT_LOOKUP_TOKENS, HFPeer
 
 SYSTEM_LABELS = {"target_only": "rocdraft target-only",
                  "speculative": "rocdraft {method} chain k={k}",
@@ -50,7 +50,7 @@ TREE_ARGS = ("speculative_token_tree", "tree_depth", "tree_top_k", "tree_total_t
 
 
 def add_bench_args(bench) -> None:
-    from rocdraft.cli_options import add_model_args
+    from rocdraft.entrypoints.cli_options import add_model_args
 
     add_model_args(bench)
     bench.add_argument("--prompts-file", help="one prompt per line (.jsonl: JSON strings)")
@@ -89,13 +89,13 @@ def _progress(done: int, total: int, label: str) -> None:
 
 def _prompt_pool(args, tokenizer, needed: int) -> list[list[int]]:
     """Prompt token ids (rocdraft's tokenizer): the prompts file, or held-out code."""
-    from rocdraft.cli_options import read_prompts_file
+    from rocdraft.entrypoints.cli_options import read_prompts_file
     from rocdraft.errors import RocdraftError
 
     if args.prompts_file:
         texts = read_prompts_file(args.prompts_file)
     else:
-        from rocdraft.corpus import heldout_prompts
+        from rocdraft.bench.corpus import heldout_prompts
 
         texts = heldout_prompts(n=max(64, needed), prompt_tokens=96, seed=0, tokenizer=tokenizer)
     if tokenizer is None:
@@ -175,7 +175,7 @@ def _check_args(args) -> list[int]:
 def parse_compare(args) -> list[str] | None:
     """--compare "dynamic,chain" -> ["chain", "dynamic"] (report order); None without it.
     Refuses unknown or no names, and tree flags that no compared system uses."""
-    from rocdraft.cli_options import tree_flags_given
+    from rocdraft.entrypoints.cli_options import tree_flags_given
     from rocdraft.errors import RocdraftError
 
     if args.compare is None:
@@ -224,7 +224,7 @@ def system_label(method: str, spec) -> str:
 def _run_bench(args) -> int:
     import torch
 
-    from rocdraft.cli_options import make_llm, tree_description
+    from rocdraft.entrypoints.cli_options import make_llm, tree_description
     from rocdraft.config import SamplingParams
     from rocdraft.errors import RocdraftError
 

@@ -2,7 +2,7 @@
 stderr, exit 2; Ctrl-C prints ``rocdraft: interrupted`` and exits 130.
 
 Each subcommand's flags and run live in one module (``COMMANDS``), imported only when that
-subcommand runs; the model flags they share live in rocdraft/cli_options.py."""
+subcommand runs; the model flags they share live in rocdraft/entrypoints/cli_options.py."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from rocdraft.cli_options import (CliParser, add_model_args, make_llm, prepare_environment,
+from rocdraft.entrypoints.cli_options import (CliParser, add_model_args, make_llm, prepare_environment,
                                   read_prompts_file, tree_description)
 
 
@@ -35,14 +35,14 @@ COMMANDS = {
     "generate": Command("generate completions", None, "add_generate_args", "run_generate"),
     "backends": Command("list attention backends and their capabilities", None,
                         "add_backends_args", "run_backends"),
-    "bench": Command("benchmark speculative vs target-only decoding", "rocdraft.bench_cli",
+    "bench": Command("benchmark speculative vs target-only decoding", "rocdraft.bench.bench_cli",
                      "add_bench_args", "run_bench"),
     "serve": Command("serve the OpenAI completions and chat API over HTTP (needs the serve "
                      "extra)", "rocdraft.serve.command", "add_serve_args", "run_serve",
                      needs=("fastapi", "uvicorn"), extra="serve"),
     "bench-serve": Command("benchmark rocdraft serve (target-only, then speculative) with "
                            "concurrent streaming clients (needs the serve extra)",
-                           "rocdraft.serve_bench", "add_bench_serve_args", "run_bench_serve",
+                           "rocdraft.bench.serve_bench", "add_bench_serve_args", "run_bench_serve",
                            needs=("httpx", "fastapi", "uvicorn"), extra="serve"),
 }
 
@@ -209,7 +209,7 @@ def _exit_code(outputs) -> int:
 
 
 def run_backends(args) -> int:
-    from rocdraft.backends_report import backends_report, format_backends_report
+    from rocdraft.entrypoints.backends_report import backends_report, format_backends_report
 
     report = backends_report()
     print(json.dumps(report, indent=2) if args.json else format_backends_report(report))

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from rocdraft.block_allocator import BlockAllocator
+from rocdraft.core.block_allocator import BlockAllocator
 from rocdraft.config import SchedulerConfig
-from rocdraft.request import Request, Status
+from rocdraft.core.request import Request, Status
 
 
 @dataclass(frozen=True)

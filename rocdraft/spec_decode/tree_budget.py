@@ -1,6 +1,6 @@
 """The batch node budget of a dynamic-tree step from measured costs: how many tree nodes the
 whole batch verifies next step (the N of ``select_tree_batch_budget``), by the rule the chain's
-draft count follows (rocdraft/draft_policy.py): the most expected tokens per second.
+draft count follows (rocdraft/spec_decode/cost_model.py): the most expected tokens per second.
 
 The model. A request that keeps only its n best nodes by EAGLE-2's score (the cumulative
 log-probability under the head; the batch budget keeps nodes by the same score) emits in
@@ -11,7 +11,7 @@ accepted had it kept only its n best nodes: the accepted path's leading nodes wh
 is below n (``accepted_within``; a path's scores only fall, so the path is cut where its first
 node drops out). ``TreeAcceptanceEstimate`` keeps the running mean of that count per n.
 A step verifying n nodes per request costs (``StepCosts`` measured for tree steps,
-rocdraft/step_costs.py)
+rocdraft/spec_decode/step_costs.py)
 
     T(n) = StepCosts.time_for_drafts(B, B * n, levels(n) + 1)
 
@@ -37,7 +37,7 @@ budget). Greedy outputs never depend on the budget (every emitted token is the t
 """
 from __future__ import annotations
 
-from rocdraft.draft_policy import RATE_DECAY, StepCosts
+from rocdraft.spec_decode.cost_model import RATE_DECAY, StepCosts
 from rocdraft.drafter.tree_spec import DynamicTree, budget_shape
 
 CUT_MARGIN = 1.25

@@ -30,7 +30,7 @@ joint distribution, whatever the tree. Greedy rows have one-hot ``p``: a child i
 iff its token is the argmax, i.e. the longest root-to-node path whose tokens equal the
 target's argmax after their parents, then the argmax at the last accepted node.
 
-How it is realised: with the exponential race of rocdraft.sampler, ``y_d = argmax(p_u / E_d)``
+How it is realised: with the exponential race of rocdraft.sample.sampler, ``y_d = argmax(p_u / E_d)``
 with fresh Exp(1) noise ``E_d`` per depth d draws ``y_d ~ p_u``; the walk accepts the first
 child of u whose token is ``y_d``, and emits ``y_d`` when there is none. Conditioned on
 ``y_d`` not being x_1..x_{j-1}, ``y_d`` is distributed as p_u with those tokens removed,
@@ -46,7 +46,7 @@ Randomness consumed: nothing when the batch is all greedy; otherwise every row d
 ``[max_depth + 1, vocab]`` Exp(1) values: a seeded row (``sampling.position_seeds[b] =
 (seed, index)``) draws depth d from ``position_generator(seed, index + d)``, any other row
 draws them in order from its generator (``sampling.generators[b]``, None = the default
-one). That is exactly what rocdraft.rejection_sampler.rejection_sample draws for a row with
+one). That is exactly what rocdraft.sample.rejection_sampler.rejection_sample draws for a row with
 ``max_depth`` drafts, so a chain-shaped tree reproduces the chain sampler.
 
 Everything is batched tensor ops; Python loops run over depths only (``max_depth + 1``, a
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from rocdraft.errors import RocdraftError
-from rocdraft.sampler import SamplingTensors, position_noise, sample_from_probs, target_probs
+from rocdraft.sample.sampler import SamplingTensors, position_noise, sample_from_probs, target_probs
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ class Request:
     # order, so any prefix is a tree; empty for a chain (draft j's parent is draft j - 1).
     spec_parents: list[int] = field(default_factory=list)
     # Dynamic trees: each draft's cumulative log-probability under the head (EAGLE-2's
-    # score), for the batch budget's calibration (rocdraft/tree_budget.py); else empty.
+    # score), for the batch budget's calibration (rocdraft/spec_decode/tree_budget.py); else empty.
     spec_scores: list[float] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"

@@ -9,7 +9,7 @@ from rocdraft.backends.kv_cache import PADDING_SLOT_ID
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.drafter.tree_index import host_depths, verify_tree_mask
 from rocdraft.platform import host_to_device
-from rocdraft.scheduler import ScheduledRequest
+from rocdraft.core.scheduler import ScheduledRequest
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         ids += req.token_ids_slice(start, start + n - d)
         ids += req.spec_token_ids[:d]
         if is_tree:
-            # A chain beside trees (drafted in tree mode, rocdraft/draft_shape.py, by a step
+            # A chain beside trees (drafted in tree mode, rocdraft/spec_decode/draft_shape.py, by a step
             # that did not schedule the others): one child per level.
             parents = req.spec_parents[:d] or list(range(-1, d - 1))
             tree_parents.append(parents)
@@ -87,7 +87,7 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
                                               no_padding_slots=PADDING_SLOT_ID not in slots)
     draft_parents = None
     if is_tree and not all(p == list(range(-1, len(p) - 1)) for p in tree_parents):
-        # A chain's tree mask is the causal one (rocdraft/draft_shape.py drafts chains in
+        # A chain's tree mask is the causal one (rocdraft/spec_decode/draft_shape.py drafts chains in
         # tree mode): only a branching tree needs it.
         common = common.with_updates(spec_mask=host_to_device(
             verify_tree_mask(tree_parents, max_drafts + 1), device))

@@ -1,6 +1,6 @@
 """Step costs of the target and the EAGLE head, measured once per batch bucket on dummy
 inputs, for the draft-count policy (``draft_policy.StepCosts``; the model is documented
-there), or for the batch budget of dynamic trees (rocdraft/tree_budget.py). The dummy
+there), or for the batch budget of dynamic trees (rocdraft/spec_decode/tree_budget.py). The dummy
 forwards write no KV (every slot is PADDING_SLOT_ID) except a tree's level forwards, which
 write into blocks of the dummy block table; the engine measures before any request is
 admitted, so no request holds those blocks."""
@@ -14,7 +14,7 @@ import torch
 from rocdraft.backends.kv_cache import PADDING_SLOT_ID
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.config import SchedulerConfig
-from rocdraft.draft_policy import StepCosts
+from rocdraft.spec_decode.cost_model import StepCosts
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 bucket while the speculative steps measured there emit fewer tokens per second than plain
 decoding steps measured there.
 
-Why: the cost policy (rocdraft/draft_policy.py) decides from step costs fitted on dummy inputs
+Why: the cost policy (rocdraft/spec_decode/cost_model.py) decides from step costs fitted on dummy inputs
 at start-up and a linear cost model. What it leaves out (prompt lengths unlike the dummy
 context, kernels whose speed jumps with the row count, the speculative step's own host
 work, a machine busier than at start-up) can make speculation lose where the model says it
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rocdraft.draft_policy import EXPLORE_EVERY, batch_bucket
+from rocdraft.spec_decode.cost_model import EXPLORE_EVERY, batch_bucket
 
 SAMPLE_WEIGHT = 0.2
 PLAIN_EVERY = 64

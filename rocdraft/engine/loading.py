@@ -52,3 +52,40 @@ def load_draft_head(path: str, target, method: str, dtype: torch.dtype, device: 
             f"draft head at {path} is an {head_method.upper()} head but method {method!r} was "
             f"requested; use method {head_method!r}")
     return head, selection
+
+
+def load_draft_runner(args, runner, tree, chain_in_tree_mode: bool):
+    """Load the EAGLE head of ``args.draft`` beside ``runner`` (the ModelRunner: its target
+    gives the vocabulary tables, its plan the cache sizes) and build its DraftRunner. Under
+    tensor parallelism the head runs on this rank alone, over whole copies of the target's
+    vocabulary tables: its draft loop holds no collective (distributed/head_tables.py)."""
+    from rocdraft.models.compiled_regions import compiled_regions
+    from rocdraft.models.rope import reserve_positions
+    from rocdraft.spec_decode.draft_runner import DraftLimits, DraftRunner
+
+    spec, device, kind = args.speculative_config, runner.device, runner.platform_kind
+    vocab_source = runner.target
+    if runner.executor is not None:
+        from rocdraft.distributed.head_tables import load_vocab_tables
+
+        vocab_source = load_vocab_tables(args.target, runner.target.config, runner.torch_dtype,
+                                         device)
+    # The registry picks the head's backend: the argument, else the env var, else the
+    # target's when it can run the draft loop (captured on a GPU), else the first that can.
+    head, selection = load_draft_head(
+        args.draft, vocab_source, spec.method, runner.torch_dtype, device, kind,
+        args.block_size, runner.backend.name, args.draft_attention_backend,
+        spec.num_speculative_tokens, need_graphs=kind != "cpu" and not spec.enforce_eager,
+        arch=runner.arch,
+        features=(registry.Feature.TREE_DRAFTING,) if tree is not None else ())
+    if args.compile_backend is not None:
+        head.regions = compiled_regions(args.compile_backend)
+    if device != "cpu":
+        reserve_positions(head, runner.max_model_len + 1)
+    cfg = runner.scheduler_config
+    limits = DraftLimits(cfg.num_blocks, cfg.block_size, cfg.max_num_seqs,
+                         cfg.max_num_batched_tokens, runner.max_model_len,
+                         cfg.max_blocks_per_seq)
+    return DraftRunner(head, selection, spec, tree, limits,
+                       runner.target.config.num_hidden_layers, runner.target.config.vocab_size,
+                       runner.torch_dtype, device, args.graph_mode, chain_in_tree_mode)

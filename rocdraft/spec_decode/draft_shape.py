@@ -6,7 +6,7 @@ frontier of top_k nodes per level. Where the target forward is cheap per extra t
 at small batches) the tree's longer acceptance wins; where verification cost grows with the
 tokens (a CPU, larger batches) the chain wins. Measured on the built-in pair at batch 8 on a
 CPU core: chain 1.08x target-only, dynamic tree 0.85x, static tree 0.68x; on an H200 in bf16
-the trees won at batch 1 and 8. The dynamic tree's node budget (rocdraft/tree_budget.py)
+the trees won at batch 1 and 8. The dynamic tree's node budget (rocdraft/spec_decode/tree_budget.py)
 cuts trees from a cost model fitted on dummy inputs, which misjudged full trees both ways;
 this chooser decides from the engine's own clock instead, so a tree config is never slower
 than the chain by more than its probes.
@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from statistics import mean, median
 from typing import NamedTuple
 
-from rocdraft.draft_policy import batch_bucket
+from rocdraft.spec_decode.cost_model import batch_bucket
 
 SHAPES = ("tree", "chain")
 TIME_SAMPLES = 5  # a shape's step time: the median of its last TIME_SAMPLES pure steps

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from rocdraft.sampler import SamplingTensors, position_noise, sample_from_probs, target_probs
+from rocdraft.sample.sampler import SamplingTensors, position_noise, sample_from_probs, target_probs
 
 
 def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,

@@ -1,0 +1,320 @@
+"""``LLMEngine``: continuous batching one step at a time over requests that join
+(``add_request``) and leave (``abort_request``, or when they finish) between any two steps.
+
+It builds three parts and a scheduler, and passes each step's data between them:
+- ``ModelRunner`` (rocdraft/engine/model_runner.py): the target, its KV cache and backend,
+  the target forward and the verification of the drafts a batch carried;
+- ``DraftRunner`` (rocdraft/spec_decode/draft_runner.py): the EAGLE head, its cache and the
+  proposer, which drafts the next step's chains or trees;
+- ``DraftPolicy`` (rocdraft/spec_decode/policy.py): how many drafts, tree or chain, the tree
+  budget; it learns from one ``observe`` per step.
+
+The engine is not thread-safe: one thread calls add/abort/step (rocdraft/serve runs it in
+its own loop thread). ``LLM`` (rocdraft/engine/llm.py) is the offline front end.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from rocdraft.config import SamplingParams
+from rocdraft.core.kv_budget import head_cache_spec
+from rocdraft.core.prompts import prompt_error, tokenize_prompt
+from rocdraft.core.request import Request
+from rocdraft.core.scheduler import Scheduler, ScheduledRequest
+from rocdraft.drafter.tree_spec import draft_lookahead
+from rocdraft.engine.args import EngineArgs
+from rocdraft.engine.loading import load_draft_runner
+from rocdraft.engine.model_runner import ModelRunner
+from rocdraft.engine.request_updates import apply_step
+from rocdraft.errors import RocdraftError
+from rocdraft.outputs import GenerationStats, RequestOutput
+from rocdraft.spec_decode.cost_model import batch_bucket
+from rocdraft.spec_decode.draft_runner import drafts_to_host
+from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
+from rocdraft.spec_decode.step_costs import EngineParts, measure_step_costs
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, *args, **kwargs) -> None:
+        """The arguments of ``EngineArgs`` (rocdraft/engine/args.py), validated before
+        anything loads. Call ``close()`` (or use the engine as a context manager) to stop
+        tensor-parallel workers."""
+        self._build(EngineArgs(*args, **kwargs))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        engine = cls.__new__(cls)
+        engine._build(args)
+        return engine
+
+    def _build(self, args: EngineArgs) -> None:
+        self.args, self.config = args, args.config
+        spec = args.speculative_config
+        self.tree = spec.draft_tree() if spec is not None else None
+        # Slots a request needs past its tokens for the drafts of one step.
+        lookahead = 0 if spec is None else draft_lookahead(self.tree) \
+            if self.tree is not None else spec.num_speculative_tokens
+        head_specs = [head_cache_spec(args.draft, spec.method)] if spec else []
+        self.model_runner = ModelRunner(args, head_specs, lookahead, self.tree)
+        self.policy = DraftPolicy(spec, self.tree) if spec else None
+        self.draft_runner = load_draft_runner(
+            args, self.model_runner, self.tree, self.policy.shape_chooser is not None) \
+            if spec else None
+        self.scheduler = Scheduler(self.model_runner.scheduler_config)
+        self.requests: dict = {}  # request id -> Request, in flight (added, not yet reported done)
+        # Counters over every step this engine ran (generate() also keeps its own call's);
+        # positions are chain positions, or tree depths.
+        self.stats = GenerationStats(num_speculative_tokens=self._num_positions())
+        self.last_stats = GenerationStats()
+        self.model_runner.start_workers(args.target)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (SHUTDOWN, join, kill leftovers); idempotent,
+        nothing to do at TP 1. Also run at interpreter exit and on garbage collection."""
+        self.model_runner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- what front ends read ----------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.model_runner.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_runner.max_model_len
+
+    @property
+    def device(self) -> str:
+        return self.model_runner.device
+
+    @property
+    def backend(self):
+        """The target's attention backend class."""
+        return self.model_runner.backend
+
+    @property
+    def draft_backend(self):
+        """The head's attention backend class (None without speculation)."""
+        return self.draft_runner.backend if self.draft_runner is not None else None
+
+    @property
+    def kv_cache_plan(self):
+        return self.model_runner.kv_cache_plan
+
+    @property
+    def scheduler_config(self):
+        return self.model_runner.scheduler_config
+
+    # --- the step API ----------------------------------------------------------------------
+
+    def add_request(self, request_id, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request (it joins the batch at the next step). prompt: a string (needs a
+        tokenizer) or token ids. A RocdraftError naming the bad value for a duplicate id, a
+        prompt that cannot run or bad params; the engine is then unchanged."""
+        if request_id in self.requests:
+            raise RocdraftError(f"request id {request_id!r} is already in flight")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RocdraftError(f"params for request {request_id!r} is a "
+                                f"{type(params).__name__}, not a SamplingParams")
+        req = self.make_request(request_id, prompt, params)
+        if req.is_finished:
+            raise RocdraftError(f"request {request_id!r}: {req.error}")
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id) -> bool:
+        """Stop a request now and free its target and draft KV blocks (they share one block
+        table). False when no such request is in flight."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        req.finish("abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler_config.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.allocator.num_free_blocks
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step -> the outputs of the requests that advanced: their new tokens
+        (several with speculation), ``finished`` and ``finish_reason``. Finished requests
+        leave the engine."""
+        if not self.scheduler.has_unfinished:
+            return []
+        preemptions = self.scheduler.num_preemptions
+        advanced = self._step(self.scheduler, self.stats)
+        self.stats.num_preemptions += self.scheduler.num_preemptions - preemptions
+        outputs = []
+        for req, new_tokens in advanced:
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+            self.stats.generated_tokens += len(new_tokens)
+            outputs.append(step_output(req, new_tokens))
+        return outputs
+
+    def make_request(self, request_id, prompt, params: SamplingParams) -> Request:
+        """A Request for ``prompt`` (not queued); one that cannot run is already finished
+        with "error" and says why."""
+        cfg = self.model_runner.target.config
+        ids, error = tokenize_prompt(prompt, self.tokenizer)
+        req = Request(request_id, ids, params, eos_token_ids=tuple(cfg.eos_token_ids))
+        error = error or prompt_error(ids, cfg.vocab_size, self.max_model_len)
+        if error:
+            req.finish("error", error)
+        return req
+
+    def measure_step_costs(self) -> None:
+        """Measure the cost policy's step costs of every batch bucket up to max_num_seqs now
+        (about 0.6 s for buckets 1-8 of the built-in pair on a CPU core), so that no request
+        pays for it: ``rocdraft serve`` calls it before it accepts requests. Otherwise each
+        bucket is measured when a batch first needs it. A no-op without the cost policy,
+        with given costs, or while requests hold KV blocks."""
+        if self.draft_runner is not None:
+            self._ensure_step_costs(self.scheduler, self.scheduler_config.max_num_seqs)
+
+    # --- one step --------------------------------------------------------------------------
+
+    def _step(self, scheduler: Scheduler, stats: GenerationStats
+              ) -> list[tuple[Request, list[int]]]:
+        """schedule -> target forward -> verify -> propose -> one host read -> request
+        updates -> policy.observe; -> (request, tokens appended) of every request that
+        sampled this step."""
+        runner, drafter, policy = self.model_runner, self.draft_runner, self.policy
+        if drafter is not None and not scheduler.running:
+            self._ensure_step_costs(scheduler)
+        t0 = runner.clock()
+        scheduled = scheduler.schedule()
+        batch = runner.build_batch(scheduled)
+        t1 = runner.clock()
+        out, logits = runner.forward(batch, drafter.aux_layer_ids if drafter else ())
+        t2 = runner.clock()
+        sampled, verified_tree = runner.verify(logits, batch, scheduled)
+        t3 = runner.clock()
+        num_drafts = policy.num_drafts(len(scheduled)) if policy is not None else 0
+        has_prefill = _has_prefill(scheduled)
+        drafts, shape = None, None
+        if num_drafts or (drafter is not None and has_prefill):
+            drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts)
+        t4 = runner.clock()
+        sampled_cpu = sampled.tolist()  # the one device-to-host read of a step
+        drafts_cpu = drafts_to_host(drafts, policy is not None and policy.wants_tree_scores)
+        paths = verified_tree.accepted_nodes.tolist() \
+            if verified_tree is not None and policy.wants_tree_paths else None
+        # The verified trees' shapes, read before the requests take the next step's drafts.
+        parents = None if paths is None else \
+            [s.request.spec_parents[:s.num_draft_tokens] for s in scheduled]
+        results = apply_step(scheduler, scheduled, batch, sampled_cpu, drafts_cpu, stats,
+                             self.max_model_len, num_drafts, paths)
+        t5 = runner.clock()
+        if policy is not None:
+            policy.observe(StepRecord(
+                batch_size=len(scheduled), has_prefill=has_prefill, seconds=t5 - t0,
+                # Tokens counted before a stop or max_tokens cut them short (a request's
+                # last step would otherwise make its mode look slow).
+                produced=sum(sum(t >= 0 for t in row)
+                             for row, samples in zip(sampled_cpu, batch.samples) if samples),
+                any_verified=any(s.num_draft_tokens for s in scheduled),
+                drafted=drafts is not None and num_drafts > 0, shape=shape,
+                verified_tree=verified_tree is not None, samples=batch.samples,
+                chain_verified=results.chain_verified, chain_accepted=results.chain_accepted,
+                tree_rows=results.tree_rows,
+                tree_parents=parents, tree_paths=paths))
+        stats.num_steps += 1
+        stats.time_s["bookkeeping"] += (t1 - t0) + (t5 - t4)
+        stats.time_s["target_verify"] += t2 - t1
+        stats.time_s["sampler"] += t3 - t2
+        stats.time_s["draft"] += t4 - t3
+        return results.advanced
+
+    def _propose(self, batch, sampled, out, verified_tree, num_drafts: int):
+        """The next step's drafts -> (ChainDrafts or TreeDrafts, the shape a tree config
+        drafted or None): a chain config drafts max(num_drafts, 1) (a prompt-only step
+        still runs the head's first forward, which keeps its cache in step with the
+        target's); a tree config the shape and budget its policy picks."""
+        drafter, policy, batch_size = self.draft_runner, self.policy, len(batch.samples)
+        hidden = drafter.head_features(out)
+        if self.tree is None:
+            return drafter.propose_chain(batch, sampled, hidden, max(num_drafts, 1)), None
+        shape = policy.shape(batch_size)
+        if shape == "chain":
+            return drafter.propose_chain(batch, sampled, hidden,
+                                         policy.chain_drafts_in_tree_mode(batch_size),
+                                         verified_tree), shape
+        return drafter.propose_tree(batch, sampled, hidden, verified_tree,
+                                    policy.tree_budget(batch_size)), shape
+
+    def _ensure_step_costs(self, scheduler: Scheduler, batch_size: int | None = None) -> None:
+        """Measure the step costs the policy still lacks for each batch bucket up to
+        ``batch_size`` (default: the largest batch this scheduler's queue can form), while no
+        request holds KV blocks (the dummy forwards may then write anywhere in the caches)."""
+        cfg = self.scheduler_config
+        if scheduler.running or scheduler.allocator.num_free_blocks != cfg.num_blocks:
+            return
+        wanted = len(scheduler.waiting) if batch_size is None else batch_size
+        todo = self.policy.costs_to_measure(
+            batch_bucket(min(max(wanted, 1), cfg.max_num_seqs)))
+        start = time.perf_counter()
+        for chain, bucket in todo:
+            self.policy.add_costs(chain, bucket,
+                                  measure_step_costs(self._engine_parts(chain), bucket))
+        if todo:
+            log.info("draft policy: measured step costs of batch buckets %s in %.2f s",
+                     sorted({bucket for _, bucket in todo}), time.perf_counter() - start)
+
+    def _engine_parts(self, chain: bool) -> EngineParts:
+        """What a cost measurement runs; ``chain``: the chain's steps even in a tree config."""
+        runner, drafter = self.model_runner, self.draft_runner
+        tree = self.tree if self.policy.tree_acceptance is not None and not chain else None
+        return EngineParts(runner.target, runner.builder, runner.kv_caches,
+                           drafter.aux_layer_ids, drafter.proposer, drafter.kv_caches,
+                           runner.scheduler_config, runner.max_model_len,
+                           self.config.speculative.num_speculative_tokens, runner.device, tree)
+
+    def _num_positions(self) -> int:
+        """Acceptance statistics positions: the chain length, or the tree's depth."""
+        spec = self.config.speculative
+        if spec is None:
+            return 0
+        return self.tree.depth if self.tree is not None else spec.num_speculative_tokens
+
+
+def _has_prefill(scheduled: list[ScheduledRequest]) -> bool:
+    """Some request computes prompt tokens this step: the head must see them too."""
+    return any(s.num_new_tokens - s.num_draft_tokens > 1 or not s.completes_prefill
+               or not s.request.output_token_ids for s in scheduled)
+
+
+def step_output(req: Request, new_tokens: list[int]) -> RequestOutput:
+    """One step's output of ``req`` (no text: a server decodes incrementally). The prompt
+    list is shared, not copied."""
+    return RequestOutput(req.prompt_token_ids, list(req.output_token_ids), None,
+                         req.finish_reason, req.error, request_id=req.request_id,
+                         new_token_ids=new_tokens, finished=req.is_finished,
+                         num_verify_steps=req.num_verify_steps,
+                         num_accepted_drafts=req.num_accepted_drafts)

@@ -1,0 +1,160 @@
+"""``ModelRunner``: the target side of a step. It owns the platform and dtype, the
+tensor-parallel executor, the target model and its attention backend, the KV-cache plan and
+the target's caches, the metadata builder and the sampling tensors; it runs the target
+forward over a step's batch and verifies the drafts that batch carried.
+
+    StepBatch ──forward──> target hidden states [num_tokens, H] (aux layers for EAGLE-3),
+                           logits at the sample positions [B, max_drafts + 1, V]
+              ──verify──>  sampled [B, max_drafts + 1] (-1 = rejected): the rejection
+                           sampler for chains; for trees the tree walk, then the accepted
+                           nodes' K/V compacted onto the accepted path
+
+The draft side (the head, its cache, the proposer) is rocdraft/spec_decode/draft_runner.py;
+the engine (rocdraft/engine/llm_engine.py) holds both and the scheduler.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from rocdraft import envs
+from rocdraft.backends import registry
+from rocdraft.backends.base import Feature
+from rocdraft.backends.kv_cache import allocate_kv_cache
+from rocdraft.config import SchedulerConfig
+from rocdraft.core.kv_budget import kv_bytes_per_block, plan_kv_cache
+from rocdraft.core.scheduler import ScheduledRequest
+from rocdraft.core.step_batch import StepBatch, build_step_batch
+from rocdraft.distributed.engine_setup import start_tensor_parallel, worker_spec
+from rocdraft.engine.args import EngineArgs
+from rocdraft.engine.loading import load_target_model
+from rocdraft.models.compiled_regions import compiled_regions
+from rocdraft.models.rope import reserve_positions
+from rocdraft.platform import TORCH_DTYPES, detect_platform
+from rocdraft.sample.rejection_sampler import rejection_sample
+from rocdraft.sample.sampler import SamplingTensorCache
+from rocdraft.sample.tree_step import compact_target_kv, verify_tree_step
+from rocdraft.sample.tree_sampler import TreeVerifyResult
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, head_cache_specs: list[tuple[int, int, int]],
+                 num_lookahead_tokens: int, tree=None) -> None:
+        """Start the TP workers' group (refusals before any weight loads), load the target,
+        plan the KV cache for the target and ``head_cache_specs`` (one budget for both) with
+        ``num_lookahead_tokens`` slots per request for a step's drafts, and allocate the
+        target's caches. ``tree``: the draft tree config (its depth bounds tree verification)."""
+        platform = detect_platform()
+        self.device, self.torch_dtype = args.device, TORCH_DTYPES[args.dtype]
+        self.platform_kind = "cpu" if self.device == "cpu" else platform.kind
+        self.arch = platform.arch if self.platform_kind != "cpu" else None
+        self.sync_timing = args.sync_timing
+        self.tree = tree
+        self.executor = None
+        if args.tensor_parallel_size != 1:
+            self.executor = start_tensor_parallel(args.target, args.tensor_parallel_size,
+                                                  args.distributed_backend, self.device,
+                                                  args.distributed_timeout_s)
+        executor = self.executor
+        tree_features = (Feature.TREE_DRAFTING,) if tree is not None else ()
+        self.target, self.tokenizer, self.backend = load_target_model(
+            args.target, self.torch_dtype, self.device, self.platform_kind, args.block_size,
+            args.attention_backend or envs.checked_backend(envs.ATTENTION_BACKEND,
+                                                           registry.registered_names()),
+            tree_features, executor and executor.group, executor and executor.counter)
+        if executor is not None:
+            self.target = executor.wrap_target(self.target)
+        if args.compile_backend is not None:
+            self.target.regions = compiled_regions(args.compile_backend)
+        cfg = self.target.config
+        self.max_model_len = min(args.max_model_len if args.max_model_len is not None
+                                 else cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if cfg.sliding_window:  # attention here is full: stay where that equals the window's
+            self.max_model_len = min(self.max_model_len, cfg.sliding_window)
+        self.builder = self.backend.builder_cls(self.device)
+        if self.device != "cpu" and isinstance(self.target, torch.nn.Module):
+            reserve_positions(self.target, self.max_model_len + 1)  # RoPE rows looked up
+        self.kv_cache_plan = plan_kv_cache(
+            block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len, num_lookahead_tokens=num_lookahead_tokens,
+            bytes_per_block=kv_bytes_per_block(
+                args.block_size, self.torch_dtype.itemsize,
+                [self.target.kv_cache_spec(), *head_cache_specs]),
+            num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            free_device_memory=None if self.device == "cpu"
+            else torch.cuda.mem_get_info(self.device)[0])
+        log.info("KV cache: %s", self.kv_cache_plan.describe())
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=args.block_size,
+            num_blocks=self.kv_cache_plan.num_blocks, num_lookahead_tokens=num_lookahead_tokens)
+        num_layers, num_kv_heads, head_dim = self.target.kv_cache_spec()
+        self.kv_caches = allocate_kv_cache(num_layers, self.kv_cache_plan.num_blocks,
+                                           args.block_size, num_kv_heads, head_dim,
+                                           self.torch_dtype, self.device)
+        self.sampling_cache = SamplingTensorCache()  # a batch's sampling tensors, kept
+
+    def start_workers(self, target: str) -> None:
+        """Start the TP workers once rank 0 is built (they load their shards of ``target``
+        and allocate their caches for the planned blocks); nothing to do at TP 1."""
+        if self.executor is not None:
+            cfg = self.scheduler_config
+            self.executor.start_workers(worker_spec(
+                target, self.executor.tp_size, self.torch_dtype, self.device,
+                self.backend.name, cfg.block_size, cfg.num_blocks))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (idempotent; nothing to do at TP 1)."""
+        if self.executor is not None:
+            self.executor.close()
+
+    def clock(self) -> float:
+        """Host time; with ``sync_timing`` on a GPU, after the queued work finished (so the
+        time split attributes GPU time to the right phase, at the cost of syncs)."""
+        if self.sync_timing and self.device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def build_batch(self, scheduled: list[ScheduledRequest]) -> StepBatch:
+        """The step's inputs on the host and the device (rocdraft/core/step_batch.py)."""
+        cfg = self.scheduler_config
+        return build_step_batch(scheduled, cfg.max_blocks_per_seq, cfg.block_size,
+                                self.device)
+
+    def forward(self, batch: StepBatch, aux_layer_ids: tuple[int, ...] = ()):
+        """The target forward over ``batch`` -> (model output: hidden_states [num_tokens, H]
+        and the inputs of ``aux_layer_ids``, logits [B, max_drafts + 1, V] at the sample
+        positions)."""
+        metadata = self.builder.build(batch.common)
+        out = self.target(batch.input_ids, batch.positions, self.kv_caches, metadata,
+                          aux_layer_ids=aux_layer_ids)
+        flat = batch.sample_indices.view(-1)
+        logits = self.target.compute_logits(out.hidden_states[flat]).view(
+            batch.common.num_reqs, batch.max_drafts + 1, -1)
+        return out, logits
+
+    def verify(self, logits: torch.Tensor, batch: StepBatch,
+               scheduled: list[ScheduledRequest]
+               ) -> tuple[torch.Tensor, TreeVerifyResult | None]:
+        """logits [B, max_drafts + 1, V] -> (sampled [B, max_drafts + 1] int64, -1 =
+        rejected; the tree walk's result on a tree step, else None). Lossless for greedy
+        and random sampling; a seeded row's noise depends on its output length only."""
+        sampling = self.sampling_cache.get([s.request.params for s in scheduled], self.device)
+        if sampling.any_seeded:
+            sampling = sampling.with_position_seeds([
+                (s.request.params.seed, len(s.request.output_token_ids))
+                if samples and s.request.params.seed is not None else None
+                for s, samples in zip(scheduled, batch.samples)])
+        if batch.draft_parents is None:
+            return rejection_sample(logits, batch.draft_token_ids, batch.num_draft_tokens,
+                                    batch.num_draft_tokens_cpu, sampling), None
+        # A tree step: walk each tree, then move the accepted nodes' K/V onto the path.
+        verified_tree = verify_tree_step(logits, batch, sampling, self.tree.depth)
+        compact_target_kv(self.kv_caches, batch, verified_tree,
+                          self.scheduler_config.block_size, self.executor)
+        return verified_tree.sampled, verified_tree

@@ -1,0 +1,73 @@
+"""The host side of a step's end: each request's sampled tokens appended (EOS, stop tokens and
+max_tokens decided there), the scheduler advanced, the next step's drafts stored on the
+requests, and the statistics counted; what the draft policy learns is returned, not fed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rocdraft.core.request import Request
+from rocdraft.core.scheduler import Scheduler, ScheduledRequest
+from rocdraft.core.step_batch import StepBatch
+from rocdraft.drafter.tree_index import host_depths
+from rocdraft.outputs import GenerationStats
+
+
+@dataclass
+class StepResults:
+    """What ``apply_step`` produced: per request that sampled, (request, tokens appended);
+    per request that verified a chain, its drafts verified and accepted; per request that
+    verified a scored tree, (its nodes' scores, its accepted path)."""
+
+    advanced: list[tuple[Request, list[int]]] = field(default_factory=list)
+    chain_verified: list[int] = field(default_factory=list)
+    chain_accepted: list[int] = field(default_factory=list)
+    tree_rows: list[tuple[list[float], list[int]]] = field(default_factory=list)
+
+
+def apply_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], batch: StepBatch,
+               sampled_cpu: list[list[int]], drafts_cpu: list | None, stats: GenerationStats,
+               max_model_len: int, per_request: int = 0,
+               tree_paths: list[list[int]] | None = None) -> StepResults:
+    """Append the step's tokens (``sampled_cpu`` [B][k+1], -1 = rejected), advance
+    ``scheduler``, keep at most ``per_request`` of ``drafts_cpu`` (a chain's tokens, or a
+    tree's (tokens, parents, scores), per request) for the next step, and count ``stats``.
+    ``tree_paths``: the accepted node indices per request of a verified tree (the tree
+    budget reads them beside the stored scores)."""
+    results = StepResults()
+    accepted_nodes = tree_paths or []
+    for row, item in enumerate(scheduled):
+        req = item.request
+        if not batch.samples[row]:  # partial prefill: nothing sampled yet
+            scheduler.update_after_step(item, 0)
+            continue
+        tokens = [t for t in sampled_cpu[row] if t >= 0]
+        num_accepted = len(tokens) - 1
+        if item.num_draft_tokens:
+            positions = item.num_draft_tokens
+            if req.spec_parents:  # a tree: its depth is the positions it could accept
+                positions = host_depths(req.spec_parents)[-1]
+                stats.num_tree_verify_steps += 1
+            stats.record_verification(positions, num_accepted, item.num_draft_tokens)
+            req.num_verify_steps += 1
+            req.num_accepted_drafts += num_accepted
+            if not req.spec_parents:  # a chain (also in tree mode): chain acceptance
+                results.chain_verified.append(item.num_draft_tokens)
+                results.chain_accepted.append(num_accepted)
+            if req.spec_scores:  # stored only for the cost-based tree budget
+                results.tree_rows.append((req.spec_scores[:item.num_draft_tokens],
+                                          accepted_nodes[row][:num_accepted]))
+        scheduler.update_after_step(item, num_accepted)
+        before = len(req.output_token_ids)
+        req.append_tokens(tokens, max_model_len)
+        results.advanced.append((req, req.output_token_ids[before:]))
+        if req.is_finished:
+            scheduler.finish(req)
+        elif drafts_cpu is not None and per_request:
+            room = max(min(max_model_len - req.num_tokens, per_request), 0)
+            if isinstance(drafts_cpu[row], tuple):  # a BFS prefix of a tree is a tree
+                tokens, parents, scores = drafts_cpu[row]
+                req.spec_token_ids, req.spec_parents = tokens[:room], parents[:room]
+                req.spec_scores = scores[:room]
+            else:  # a chain (also one drafted in tree mode: verified as a chain)
+                req.spec_token_ids = drafts_cpu[row][:room]
+    return results

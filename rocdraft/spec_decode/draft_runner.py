@@ -1,0 +1,166 @@
+"""``DraftRunner``: the draft side of a step. It holds the EAGLE head (loaded by the engine
+and handed in), the head's attention backend and KV cache, and the ``EagleProposer`` with
+its graph runners (built by the proposer's constructor from a ``DraftGraphPlan``); it turns
+a verified step into the next step's drafts.
+
+    step batch, sampled [B, k+1], target hidden states
+        ──(after a tree step: root + accepted path first, head_inputs_after_tree)
+        ──head inputs: padded (rejected tokens stay as padding, no host sync) or unpadded
+          (dropped on the host)
+        ──propose_chain ──> ChainDrafts: tokens [B, n]
+        ──propose_tree  ──> TreeDrafts: tokens, parents [B, N], num_nodes [B], scores
+
+``drafts_to_host`` reads either result in one device-to-host copy. How many drafts, which
+shape and which tree budget are the policy's (rocdraft/spec_decode/policy.py), handed in.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rocdraft.backends import registry
+from rocdraft.backends.base import Feature
+from rocdraft.backends.kv_cache import allocate_kv_cache
+from rocdraft.config import SpeculativeConfig
+from rocdraft.core.step_batch import StepBatch
+from rocdraft.drafter.eagle import EagleProposer
+from rocdraft.drafter.graphs import DraftGraphPlan, capture_buckets, graph_capture_refusal
+from rocdraft.drafter.tree_draft import TreeDrafts
+from rocdraft.sample.tree_sampler import TreeVerifyResult
+from rocdraft.sample.tree_step import head_inputs_after_tree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChainDrafts:
+    """One chain per request: tokens [B, n] int64 (rows of requests that did not sample are
+    discarded by the engine)."""
+
+    tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    """The engine's sizes the draft side is built for."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_blocks_per_seq: int
+
+
+class DraftRunner:
+    def __init__(self, head: torch.nn.Module, selection: registry.Selection,
+                 spec: SpeculativeConfig, tree, limits: DraftLimits, num_target_layers: int,
+                 vocab_size: int, dtype: torch.dtype, device: str, graph_mode: str = "auto",
+                 chain_in_tree_mode: bool = False) -> None:
+        """``selection``: the head's attention backend as the registry chose it;
+        ``chain_in_tree_mode``: a tree config that may draft chains (the policy's shape
+        chooser), whose chains replay the captured k-draft loop when the tree is at least
+        k deep; ``graph_mode`` as in EngineArgs."""
+        k = spec.num_speculative_tokens
+        self.head, self.spec, self.tree = head, spec, tree
+        self.backend, self.backend_reason = selection.backend, selection.reason
+        log.info("draft attention backend %s: %s", self.backend.name, self.backend_reason)
+        if k > 1:
+            registry.require(self.backend.name, Feature.MULTI_TOKEN_DRAFTING,
+                             f"drafting {k} tokens per step")
+        self.aux_layer_ids = head.aux_layer_ids(num_target_layers)  # EAGLE-3's target layers
+        num_layers, num_kv_heads, head_dim = head.kv_cache_spec()
+        self.kv_caches = allocate_kv_cache(num_layers, limits.num_blocks, limits.block_size,
+                                           num_kv_heads, head_dim, dtype, device)
+        self.graph_refusal = graph_capture_refusal(self.backend, device, spec.enforce_eager)
+        plan = None
+        if self.graph_refusal is None or graph_mode == "replay-eagerly":
+            # A tree config's chains are at most min(k, depth) long: the captured k-draft
+            # loop serves them only when the tree is at least k deep.
+            plan = DraftGraphPlan(
+                self.kv_caches, head.config.hidden_size, limits.max_blocks_per_seq,
+                capture_buckets(limits.max_num_seqs), use_graphs=self.graph_refusal is None,
+                chain=tree is None or (chain_in_tree_mode and tree.depth >= k),
+                tree=tree is not None)
+        self.proposer = EagleProposer(
+            head, self.backend, k, max_num_tokens=limits.max_num_batched_tokens,
+            max_num_seqs=limits.max_num_seqs, max_model_len=limits.max_model_len,
+            block_size=limits.block_size, vocab_size=vocab_size, device=device, tree=tree,
+            graphs=plan)
+        self.proposer.validate_kv_caches(self.kv_caches)
+        if self.graph_refusal is not None:
+            log.info("draft loop runs eagerly: %s", self.graph_refusal)
+
+    def head_features(self, out):
+        """What the head reads from the target's output: the aux layers' inputs (EAGLE-3,
+        a tuple of [num_tokens, H]) or the last hidden states [num_tokens, H]."""
+        return out.aux_hidden_states if self.aux_layer_ids else out.hidden_states
+
+    def propose_chain(self, batch: StepBatch, sampled: torch.Tensor, hidden, num_drafts: int,
+                      verified_tree: TreeVerifyResult | None = None) -> ChainDrafts:
+        """Chain drafts [B, num_drafts] for every row; num_drafts >= 1 (the first draft
+        forward also keeps the head's KV cache in step with the target's). After a tree step
+        (``verified_tree``) the batch is first reordered root + accepted path first."""
+        if verified_tree is not None:
+            batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
+        args, rejected = self._head_inputs(batch, sampled, hidden)
+        return ChainDrafts(self.proposer.propose(*args, num_rejected=rejected,
+                                                 num_drafts=num_drafts))
+
+    def propose_tree(self, batch: StepBatch, sampled: torch.Tensor, hidden,
+                     verified_tree: TreeVerifyResult | None, budget: int | None) -> TreeDrafts:
+        """Each row's next tree (``budget``: the batch's node budget, None for full trees).
+        After a tree step the batch is first reordered root + accepted path first, which
+        makes the head's first forward the chain's."""
+        if verified_tree is not None:
+            batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
+        args, _ = self._head_inputs(batch, sampled, hidden)
+        return self.proposer.propose_tree(*args, budget)
+
+    def _head_inputs(self, batch: StepBatch, sampled: torch.Tensor, hidden
+                     ) -> tuple[tuple, torch.Tensor | None]:
+        """The head's first-forward inputs -> ((token ids, positions, hidden, next token ids,
+        last token indices, metadata, draft KV caches), num_rejected [B] on the padded path
+        else None). Padded: rejected tokens stay as padding, no host sync; unpadded: they are
+        dropped on the host."""
+        proposer = self.proposer
+        if self.spec.padded_drafting:
+            next_ids, _, indices, rejected = proposer.prepare_padded(
+                sampled, batch.discard_request, batch.backup_next_token_ids, batch.common,
+                batch.num_draft_tokens)
+            return (batch.input_ids, batch.positions, hidden, next_ids, indices, batch.common,
+                    self.kv_caches), rejected
+        sampled_cpu = sampled.tolist()
+        next_ids = proposer.prepare_next_token_ids_cpu(
+            sampled_cpu, batch.discard_request.tolist(), batch.backup_next_token_ids.tolist())
+        num_rejected = torch.tensor([
+            d + 1 - sum(t >= 0 for t in row) if d > 0 else 0
+            for d, row in zip(batch.num_draft_tokens_cpu, sampled_cpu)], dtype=torch.int32)
+        common, kept = proposer.prepare_inputs(batch.common, num_rejected)
+        hidden = tuple(h[kept] for h in hidden) if isinstance(hidden, tuple) else hidden[kept]
+        last = (common.query_start_loc[1:] - 1).long()
+        return (batch.input_ids[kept], batch.positions[..., kept], hidden,
+                torch.tensor(next_ids, device=proposer.device), last, common,
+                self.kv_caches), None
+
+
+def drafts_to_host(drafts: ChainDrafts | TreeDrafts | None, keep_scores: bool) -> list | None:
+    """The drafts per request on the host, in one device-to-host copy: a chain's token list,
+    or a tree's (tokens, parents, scores) cut to its node count (scores only when
+    ``keep_scores`` and the tree has them, else empty)."""
+    if drafts is None:
+        return None
+    if isinstance(drafts, ChainDrafts):
+        return drafts.tokens.tolist()
+    width = drafts.tokens.shape[1]
+    rows = torch.cat([drafts.tokens, drafts.parents, drafts.num_nodes.view(-1, 1)],
+                     dim=1).tolist()
+    scores = drafts.scores.tolist() if keep_scores and drafts.scores is not None \
+        else [[]] * len(rows)
+    host = []
+    for row, row_scores in zip(rows, scores):
+        n = int(row[-1])
+        host.append((row[:n], row[width:width + n], row_scores[:n]))
+    return host

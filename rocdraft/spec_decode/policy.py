@@ -1,0 +1,243 @@
+"""``DraftPolicy``: the one owner of every speculative decision the engine asks for, and of
+the estimates those decisions read.
+
+The engine asks, before it drafts:
+- ``num_drafts(batch_size)``: drafts per request a chain config makes now (the cap
+  ``drafts_per_request``, or under ``draft_policy="cost"`` the count maximising expected
+  tokens per second, rocdraft/spec_decode/cost_model.py, vetoed where realized throughput
+  says plain decoding is faster, rocdraft/spec_decode/throughput_guard.py); a tree config
+  answers its node count (the tree's own shape decides);
+- ``shape(batch_size)``: "tree" or "chain" for a tree config (rocdraft/spec_decode/
+  draft_shape.py), and ``chain_drafts_in_tree_mode(batch_size)`` when it is "chain";
+- ``tree_budget(batch_size)``: the batch node budget of the trees drafted now (the
+  configured one, or the cost-based one of rocdraft/spec_decode/tree_budget.py);
+- ``costs_to_measure(largest_bucket)``: which step-cost tables it still lacks (the engine
+  measures them, rocdraft/spec_decode/step_costs.py, and hands them back with ``add_costs``).
+
+After every step the engine tells it what happened in one ``observe(StepRecord)``: the
+chains' verified and accepted drafts, the verified dynamic trees' scores and paths, the
+step's time and tokens. The policy never calls a runner; it holds numbers, not models.
+
+State:  acceptance (AcceptanceTracker, per chain position), step costs per batch bucket for
+the chain config or the dynamic tree (``step_costs``) and for a tree config's chains
+(``chain_step_costs``), the throughput guard, the tree acceptance estimate, the shape
+chooser and the shape drafted last step. Which of them exist follows from the config alone
+(the constructor's comments say when).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rocdraft.config import SpeculativeConfig
+from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
+from rocdraft.spec_decode.cost_model import (EXPLORE_EVERY, AcceptanceTracker, StepCosts,
+                                             batch_bucket, choose_num_drafts)
+from rocdraft.spec_decode.draft_shape import DraftShapeChooser, chain_on_tree_step
+from rocdraft.spec_decode.throughput_guard import ThroughputGuard
+from rocdraft.spec_decode.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step did, as the policy's estimates need it.
+
+    Per request of the batch, in batch order: ``samples`` (it sampled this step),
+    ``tree_parents`` (the parents of the tree it verified; [] for a chain or no drafts;
+    None for the whole batch when no tree was verified or the policy needs no paths) and
+    ``tree_paths`` (the accepted node per depth, -1 past the path's end). Per request that
+    verified a chain: ``chain_verified`` drafts, ``chain_accepted`` of them accepted. Per
+    request that verified a scored (dynamic) tree: ``tree_rows`` (its nodes' scores, its
+    accepted path)."""
+
+    batch_size: int
+    has_prefill: bool  # some request computed prompt tokens: not a pure step
+    seconds: float  # the whole step, schedule to request updates
+    produced: int  # tokens sampled, counted before a stop or max_tokens cut them
+    any_verified: bool  # some request verified drafts
+    drafted: bool  # the drafter ran and drafted (num_drafts > 0)
+    shape: str | None  # a tree config: what it drafted ("tree" | "chain"); else None
+    verified_tree: bool  # this step verified a tree (not only chains)
+    samples: list[bool] = field(default_factory=list)
+    chain_verified: list[int] = field(default_factory=list)
+    chain_accepted: list[int] = field(default_factory=list)
+    tree_rows: list[tuple[list[float], list[int]]] = field(default_factory=list)
+    tree_parents: list[list[int]] | None = None
+    tree_paths: list[list[int]] | None = None
+
+
+class DraftPolicy:
+    def __init__(self, spec: SpeculativeConfig, tree: StaticTree | DynamicTree | None) -> None:
+        self.spec, self.tree = spec, tree
+        cost_policy = spec.draft_policy == "cost"
+        self.acceptance = AcceptanceTracker(spec.num_speculative_tokens, spec.acceptance_prior)
+        self.step_costs: dict[int, StepCosts] = {}  # bucket -> chain (or dynamic tree) costs
+        self.chain_step_costs: dict[int, StepCosts] = {}  # a tree config's chains, per bucket
+        self.given_step_costs = StepCosts(*spec.draft_costs) if spec.draft_costs else None
+        self.policy_steps = 0  # steps the cost policy chose for (drives its exploration)
+        # Chains under the cost policy with measured costs: speculation is vetoed where it is
+        # measured slower than plain decoding.
+        self.throughput_guard = ThroughputGuard() \
+            if cost_policy and spec.draft_costs is None and tree is None else None
+        # A dynamic tree under the cost policy without a fixed budget: the batch budget of
+        # each step comes from the step costs and measured acceptance.
+        self.tree_acceptance = TreeAcceptanceEstimate(tree.num_nodes) \
+            if isinstance(tree, DynamicTree) and cost_policy \
+            and spec.max_draft_tokens_per_step is None else None
+        # A tree config under the cost policy drafts per batch bucket the tree or a chain of
+        # at most min(k, depth) drafts, whichever measured faster.
+        self.shape_chooser = DraftShapeChooser() \
+            if tree is not None and cost_policy and spec.draft_costs is None else None
+        self.drafted_shape: str | None = None  # what the last step drafted
+
+    # --- what the engine asks before drafting ----------------------------------------------
+
+    def drafts_per_request(self, batch_size: int) -> int:
+        """The most drafts each request may verify next step: k, or fewer when
+        ``max_draft_tokens_per_step`` caps the batch's total (0: plain decoding)."""
+        spec = self.spec
+        if spec.max_draft_tokens_per_step is None:
+            return spec.num_speculative_tokens
+        return min(spec.num_speculative_tokens, spec.max_draft_tokens_per_step // batch_size)
+
+    def num_drafts(self, batch_size: int) -> int:
+        """Drafts per request to make now (verified next step): the cap, or with
+        ``draft_policy="cost"`` the count maximising expected tokens per second. 0: the
+        drafter is skipped unless a prompt is in the step. A tree config: its node count."""
+        if self.tree is not None:  # the tree's own shape (and batch budget) decide
+            return self.tree.num_nodes
+        cap = self.drafts_per_request(batch_size)
+        if self.spec.draft_policy == "fixed" or cap == 0:
+            return cap
+        costs = self._costs_for(batch_size)
+        if costs is None:  # nothing measured yet (a step run outside generate): the cap
+            return cap
+        self.policy_steps += 1
+        choice = choose_num_drafts(costs, self.acceptance.rates, batch_size, cap,
+                                   explore=self.policy_steps % EXPLORE_EVERY == 0)
+        if self.throughput_guard is not None:
+            choice = self.throughput_guard.decide(batch_size, choice, cap)
+        return choice
+
+    def shape(self, batch_size: int) -> str:
+        """A tree config's shape to draft now: "tree", or "chain" where the chooser measured
+        the chain faster (or probes it)."""
+        if self.shape_chooser is None:
+            return "tree"
+        return self.shape_chooser.decide(batch_size)
+
+    def chain_drafts_in_tree_mode(self, batch_size: int) -> int:
+        """Drafts of the chain a tree config drafts now, exploring every EXPLORE_EVERY-th
+        policy step (the step counter is shared with the tree budget: a tree config runs one
+        of the two per step)."""
+        self.policy_steps += 1
+        return self._chain_policy_drafts(batch_size,
+                                         explore=self.policy_steps % EXPLORE_EVERY == 0)
+
+    def tree_budget(self, batch_size: int) -> int | None:
+        """The batch node budget of the trees drafted now: the configured one, or under the
+        cost policy B * n* (rocdraft/spec_decode/tree_budget.py), or None (the full tree)
+        when it would not cut, before the first full trees were seen, without measured
+        costs, and every EXPLORE_EVERY-th step (exploration)."""
+        if self.tree_acceptance is None:
+            return self.spec.max_draft_tokens_per_step
+        self.policy_steps += 1
+        costs, accepted = self._costs_for(batch_size), self.tree_acceptance.accepted
+        if costs is None or accepted is None or self.policy_steps % EXPLORE_EVERY == 0:
+            return None
+        n = choose_nodes_per_request(accepted, costs, batch_size, self.tree)
+        return None if n >= self.tree.num_nodes else batch_size * n
+
+    @property
+    def wants_tree_paths(self) -> bool:
+        """Whether ``observe`` needs the verified trees' accepted paths (a host read)."""
+        return self.tree_acceptance is not None or self.shape_chooser is not None
+
+    @property
+    def wants_tree_scores(self) -> bool:
+        """Whether the drafted trees' node scores must be kept (the tree budget reads them)."""
+        return self.tree_acceptance is not None
+
+    # --- step costs ------------------------------------------------------------------------
+
+    def costs_to_measure(self, largest_bucket: int) -> list[tuple[bool, int]]:
+        """The (chain?, bucket) step-cost tables still missing up to ``largest_bucket``:
+        a chain config's or a dynamic tree's costs (chain? False for the tree), and the
+        chains a tree config may draft. Empty without the cost policy or with given costs."""
+        if self.spec.draft_policy != "cost" or self.given_step_costs is not None:
+            return []
+        tables = []
+        if self.tree is None or self.tree_acceptance is not None:
+            tables.append((self.step_costs, self.tree is None))
+        if self.shape_chooser is not None:
+            tables.append((self.chain_step_costs, True))
+        buckets = [1 << i for i in range(largest_bucket.bit_length())]
+        return [(chain, bucket) for table, chain in tables for bucket in buckets
+                if bucket not in table]
+
+    def add_costs(self, chain: bool, bucket: int, costs: StepCosts) -> None:
+        """Measured costs of one (chain?, bucket) table from ``costs_to_measure``."""
+        table = self.chain_step_costs if chain and self.tree is not None else self.step_costs
+        table[bucket] = costs
+
+    def _costs_for(self, batch_size: int, measured: dict | None = None) -> StepCosts | None:
+        """The given costs, else those of the batch's bucket in ``measured`` (default
+        ``step_costs``), else the nearest measured."""
+        if self.given_step_costs is not None:
+            return self.given_step_costs
+        measured = self.step_costs if measured is None else measured
+        if not measured:
+            return None
+        bucket = batch_bucket(batch_size)
+        if bucket in measured:
+            return measured[bucket]
+        below = [b for b in measured if b <= bucket]
+        return measured[max(below) if below else min(measured)]
+
+    def _chain_cap(self) -> int:
+        """The longest chain a tree config drafts: min(k, tree depth)."""
+        return min(self.spec.num_speculative_tokens, self.tree.depth)
+
+    def _chain_policy_drafts(self, batch_size: int, explore: bool = False) -> int:
+        """Drafts of a chain a tree config would draft for this batch: at most
+        ``_chain_cap``, under the cost policy the count maximising expected tokens per
+        second from the chain's measured costs and acceptance (at least 1)."""
+        costs = self._costs_for(batch_size, self.chain_step_costs)
+        if costs is None:
+            return self._chain_cap()
+        return max(1, choose_num_drafts(costs, self.acceptance.rates, batch_size,
+                                        self._chain_cap(), explore=explore))
+
+    # --- what the engine tells after a step ------------------------------------------------
+
+    def observe(self, step: StepRecord) -> None:
+        """Fold one step into the estimates: the chain a tree config would have drafted on
+        its verified trees (its tokens and acceptance), the chains' acceptance, the dynamic
+        trees' acceptance, then the step's time and tokens for the throughput guard and the
+        shape chooser (pure steps of one mode only)."""
+        chain_tokens = 0.0
+        if self.shape_chooser is not None and step.tree_paths is not None:
+            chain = chain_on_tree_step(
+                step.tree_parents, step.tree_paths, step.samples,
+                self.tree.ranks if isinstance(self.tree, StaticTree) else None,
+                self._chain_policy_drafts(step.batch_size), self._chain_cap(),
+                self.acceptance.rates)
+            chain_tokens = chain.tokens
+            if chain.verified:
+                self.acceptance.update(chain.verified, chain.accepted)
+        if step.chain_verified:
+            self.acceptance.update(step.chain_verified, step.chain_accepted)
+        if step.tree_rows:
+            self.tree_acceptance.observe(step.tree_rows)
+        if self.throughput_guard is not None and not step.has_prefill \
+                and step.any_verified == step.drafted:  # a pure step of one mode: a sample
+            self.throughput_guard.record(step.batch_size, "spec" if step.drafted else "plain",
+                                         step.produced, step.seconds)
+        if self.shape_chooser is not None:
+            # A pure step of one shape (a tree step's sample needs a verified tree: a batch
+            # of only the chains another step drafted verifies none).
+            if not step.has_prefill and step.shape is not None \
+                    and step.shape == self.drafted_shape and step.any_verified \
+                    and (step.shape == "chain" or step.verified_tree):
+                self.shape_chooser.record(step.batch_size, step.shape, step.seconds,
+                                          step.produced, chain_tokens)
+            self.drafted_shape = step.shape
