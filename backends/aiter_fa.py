@@ -42,12 +42,12 @@ import torch
 
 from rocdraft import envs
 from rocdraft.backends.base import (AttentionBackend, AttentionImpl, BackendCapabilities,
-                                    Feature, GraphCapture, MetadataBuilder)
+                                    Feature, GraphCapture)
 from rocdraft.backends.kv_cache import NHD, SPLIT_K, LayerKVCache, write_kv_reference
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.registry import register_backend, require
-from rocdraft.backends.varlen_context import (VarlenContext, bounded_kv_rows,
-                                              build_varlen_context, exact_kv_rows, gather_kv)
+from rocdraft.backends.varlen_context import (VarlenContext, VarlenContextBuilder,
+                                              build_varlen_context, gather_kv)
 from rocdraft.errors import RocdraftError
 from rocdraft.platform import detect_platform
 
@@ -96,18 +96,9 @@ class AiterFAMetadata:
     single_token_queries: bool  # every request has exactly one query token
 
 
-class AiterFABuilder(MetadataBuilder):
-    def build(self, common: CommonAttentionMetadata) -> AiterFAMetadata:
-        return _build(common, exact_kv_rows(common))
-
-    def build_for_drafting(self, common: CommonAttentionMetadata,
-                           draft_index: int) -> AiterFAMetadata:
-        # Host ints and the CPU copy of seq_lens only (upper bounds while drafting): no sync.
-        return _build(common, exact_kv_rows(common))
-
-    def build_for_graph_capture(self, common: CommonAttentionMetadata) -> AiterFAMetadata:
-        # Size the context gather for the longest sequence the captured graph may replay.
-        return _build(common, bounded_kv_rows(common))
+class AiterFABuilder(VarlenContextBuilder):
+    def make(self, common: CommonAttentionMetadata, num_kv_rows: int) -> AiterFAMetadata:
+        return _build(common, num_kv_rows)
 
 
 def _build(common: CommonAttentionMetadata, num_kv_rows: int) -> AiterFAMetadata:

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from rocdraft.backends.base import (AttentionBackend, AttentionImpl, BackendCapabilities,
-                                    Feature, GraphCapture, MetadataBuilder)
+                                    Feature, GraphCapture)
 from rocdraft.backends.kv_cache import NHD, LayerKVCache, write_kv_reference
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.registry import register_backend, require
-from rocdraft.backends.varlen_context import (VarlenContext, bounded_kv_rows,
-                                              build_varlen_context, exact_kv_rows, gather_kv)
+from rocdraft.backends.varlen_context import (VarlenContext, VarlenContextBuilder,
+                                              build_varlen_context, gather_kv)
 from rocdraft.errors import RocdraftError
 
 NAME = "FLASH_ATTN"
@@ -62,17 +62,9 @@ class FlashAttnMetadata:
     uniform_query_len: int | None  # the query length of every request, None when they differ
 
 
-class FlashAttnBuilder(MetadataBuilder):
-    def build(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
-        return _build(common, exact_kv_rows(common))
-
-    def build_for_drafting(self, common: CommonAttentionMetadata,
-                           draft_index: int) -> FlashAttnMetadata:
-        # Host ints and the CPU copy of seq_lens only (upper bounds while drafting): no sync.
-        return _build(common, exact_kv_rows(common))
-
-    def build_for_graph_capture(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
-        return _build(common, bounded_kv_rows(common))
+class FlashAttnBuilder(VarlenContextBuilder):
+    def make(self, common: CommonAttentionMetadata, num_kv_rows: int) -> FlashAttnMetadata:
+        return _build(common, num_kv_rows)
 
 
 def _build(common: CommonAttentionMetadata, num_kv_rows: int) -> FlashAttnMetadata:

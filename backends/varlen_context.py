@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rocdraft.backends.base import MetadataBuilder
 from rocdraft.backends.kv_cache import NHD, LayerKVCache
 from rocdraft.backends.metadata import CommonAttentionMetadata
 
@@ -69,6 +70,26 @@ def build_varlen_context(common: CommonAttentionMetadata, num_kv_rows: int) -> V
         cu_seqlens_k=cu_k.to(torch.int32),
         kv_req=safe_req, kv_pos=kv_pos, token_is_padding=token_is_padding,
         max_seqlen_q=max(common.max_query_len, 1), max_seqlen_k=max(common.max_seq_len, 1))
+
+
+class VarlenContextBuilder(MetadataBuilder):
+    """The builder contract of the backends that gather a varlen context from the paged cache
+    (aiter's and flash-attn's): exact KV rows for a step and for drafting (host ints and the
+    CPU copy of seq_lens only, upper bounds while drafting: no sync), rows bounded by the
+    longest sequence a captured graph may replay for graph capture. Subclasses say how the
+    backend's metadata is made from the common metadata and the row count (``make``)."""
+
+    def make(self, common: CommonAttentionMetadata, num_kv_rows: int):
+        raise NotImplementedError
+
+    def build(self, common: CommonAttentionMetadata):
+        return self.make(common, exact_kv_rows(common))
+
+    def build_for_drafting(self, common: CommonAttentionMetadata, draft_index: int):
+        return self.make(common, exact_kv_rows(common))
+
+    def build_for_graph_capture(self, common: CommonAttentionMetadata):
+        return self.make(common, bounded_kv_rows(common))
 
 
 def gather_kv(cache: LayerKVCache, block_table: torch.Tensor, ctx: VarlenContext,

@@ -20,13 +20,13 @@ from torch import nn
 from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.models.config import HeadConfig
-from rocdraft.models.layers import (EAGER_REGIONS, Attention, BlockWeights, GatedMLP, RMSNorm,
-                                    block_weights, decoder_forward, project)
-from rocdraft.models.rope import RopeTables, RotaryEmbedding
+from rocdraft.models.layers import (EAGER_REGIONS, Attention, DecoderBlock, GatedMLP, RMSNorm,
+                                    decoder_forward, layer_weights, project)
+from rocdraft.models.rope import RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 
 
-class Eagle1Layer(nn.Module):
+class Eagle1Layer(DecoderBlock):
     def __init__(self, config: HeadConfig, index: int, attn_backend: type[AttentionBackend],
                  device=None, dtype=None) -> None:
         super().__init__()
@@ -39,19 +39,6 @@ class Eagle1Layer(nn.Module):
                                    qkv_bias=config.qkv_bias, **factory)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
         self.mlp = GatedMLP(hidden, config.intermediate_size, **factory)
-
-    def block_weights(self) -> BlockWeights:
-        return block_weights(self.input_layernorm, self.self_attn, self.post_attention_layernorm,
-                             self.mlp)
-
-    def forward(self, hidden: torch.Tensor, rope: RopeTables, kv_cache: LayerKVCache,
-                attn_metadata) -> torch.Tensor:
-        """hidden [n, H] -> [n, H] (layer 0 has no input norm)."""
-        return decoder_forward(self.block_weights(), hidden, rope, kv_cache, attn_metadata)
-
-
-def _layer_weights(head: "Eagle1Head") -> list[BlockWeights]:
-    return [layer.block_weights() for layer in head.layers]
 
 
 class Eagle1Head(nn.Module):
@@ -69,7 +56,7 @@ class Eagle1Head(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                           device, first_row_of_mrope=True)
-        self._weights = WeightCache(_layer_weights)  # models/weight_cache.py
+        self._weights = WeightCache(layer_weights)  # models/weight_cache.py
         self.regions = EAGER_REGIONS  # or models/compiled_regions.py's
 
     def aux_layer_ids(self, num_target_layers: int) -> tuple[int, ...]:

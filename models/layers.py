@@ -244,6 +244,26 @@ def block_weights(input_norm: "RMSNorm | None", attn: "Attention",
                         attn.weights(), (post_norm.weight, post_norm.eps), mlp.weights())
 
 
+class DecoderBlock(nn.Module):
+    """A pre-norm decoder block (target layers, EAGLE-1 head layers): subclasses build
+    ``input_layernorm`` (None where the block has none: EAGLE-1's layer 0),
+    ``self_attn``, ``post_attention_layernorm`` and ``mlp``; the forward is shared."""
+
+    def block_weights(self) -> BlockWeights:
+        return block_weights(self.input_layernorm, self.self_attn, self.post_attention_layernorm,
+                             self.mlp)
+
+    def forward(self, hidden: torch.Tensor, rope: RopeTables, kv_cache: LayerKVCache,
+                attn_metadata) -> torch.Tensor:
+        """hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size] (pre-norm residual)."""
+        return decoder_forward(self.block_weights(), hidden, rope, kv_cache, attn_metadata)
+
+
+def layer_weights(model: nn.Module) -> list[BlockWeights]:
+    """The ``BlockWeights`` of each of ``model.layers`` (a WeightCache's builder)."""
+    return [layer.block_weights() for layer in model.layers]
+
+
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``; gate and up run as one matmul (see the module
     docstring)."""

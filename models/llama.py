@@ -17,9 +17,9 @@ from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
-from rocdraft.models.layers import (EAGER_REGIONS, Attention, BlockWeights, GatedMLP, RMSNorm,
-                                    block_weights, decoder_forward, project)
-from rocdraft.models.rope import RopeTables, RotaryEmbedding
+from rocdraft.models.layers import (EAGER_REGIONS, Attention, DecoderBlock, GatedMLP, RMSNorm,
+                                    decoder_forward, layer_weights, project)
+from rocdraft.models.rope import RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 from rocdraft.models.weights import copy_weights, load_state_dict
 
@@ -32,7 +32,7 @@ class TargetOutput:
     aux_hidden_states: tuple[torch.Tensor, ...] = ()
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DecoderBlock):
     def __init__(self, config: ModelConfig, attn_backend: type[AttentionBackend],
                  device=None, dtype=None) -> None:
         super().__init__()
@@ -44,19 +44,6 @@ class DecoderLayer(nn.Module):
                                    qkv_bias=config.attention_bias, **factory)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.mlp_bias, **factory)
-
-    def block_weights(self) -> BlockWeights:
-        return block_weights(self.input_layernorm, self.self_attn, self.post_attention_layernorm,
-                             self.mlp)
-
-    def forward(self, hidden: torch.Tensor, rope: RopeTables, kv_cache: LayerKVCache,
-                attn_metadata) -> torch.Tensor:
-        """hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size] (pre-norm residual)."""
-        return decoder_forward(self.block_weights(), hidden, rope, kv_cache, attn_metadata)
-
-
-def _layer_weights(model: "LlamaForCausalLM") -> list[BlockWeights]:
-    return [layer.block_weights() for layer in model.layers]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -73,7 +60,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta,
                                           config.rope_scaling, device)
         self.tie_weights()
-        self._weights = WeightCache(_layer_weights)  # models/weight_cache.py
+        self._weights = WeightCache(layer_weights)  # models/weight_cache.py
         self.regions = EAGER_REGIONS  # or models/compiled_regions.py's
 
     def tie_weights(self) -> None:

@@ -26,6 +26,11 @@ class RequestOutput:
         return (self.num_accepted_drafts + self.num_verify_steps) / self.num_verify_steps
 
 
+# GenerationStats' integer counters (merged and windowed alike).
+_COUNTERS = ("generated_tokens", "num_steps", "num_verify_steps", "num_accepted_drafts",
+             "num_preemptions", "num_verified_nodes", "num_tree_verify_steps")
+
+
 @dataclass
 class GenerationStats:
     """Counters of one ``generate`` call. Acceptance length counts accepted drafts + 1 per
@@ -52,9 +57,7 @@ class GenerationStats:
 
     def merge(self, other: "GenerationStats") -> None:
         """Add ``other``'s counters and times to these (same number of positions)."""
-        for name in ("generated_tokens", "num_steps", "num_verify_steps",
-                     "num_accepted_drafts", "num_preemptions", "num_verified_nodes",
-                     "num_tree_verify_steps"):
+        for name in _COUNTERS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.accepted_at_position, other.accepted_at_position),
                              (self.proposed_at_position, other.proposed_at_position)):
@@ -62,6 +65,21 @@ class GenerationStats:
                 mine[j] += count
         for phase, seconds in other.time_s.items():
             self.time_s[phase] = self.time_s.get(phase, 0.0) + seconds
+
+    def since(self, earlier: "GenerationStats") -> "GenerationStats":
+        """The counters and times added after ``earlier`` (a copy of these taken before some
+        steps): a window of an engine's running totals, e.g. a profiled run's."""
+        window = GenerationStats(num_speculative_tokens=self.num_speculative_tokens)
+        for name in _COUNTERS:
+            setattr(window, name, getattr(self, name) - getattr(earlier, name))
+        for mine, now, then in ((window.accepted_at_position, self.accepted_at_position,
+                                 earlier.accepted_at_position),
+                                (window.proposed_at_position, self.proposed_at_position,
+                                 earlier.proposed_at_position)):
+            mine[:] = [a - b for a, b in zip(now, then)]
+        window.time_s = {phase: seconds - earlier.time_s.get(phase, 0.0)
+                         for phase, seconds in self.time_s.items()}
+        return window
 
     def record_verification(self, num_drafts: int, num_accepted: int,
                             num_nodes: int | None = None) -> None:

@@ -81,12 +81,12 @@ def measure(timer: CommTimer, target: str, draft: str | None, tp: int, batch_siz
     spec = SpeculativeConfig("eagle3", 3, draft_policy="fixed") if draft else None
     g = torch.Generator().manual_seed(0)
     with LLM(target, draft, spec, tensor_parallel_size=tp, max_num_seqs=batch_size) as llm:
-        cfg = llm.target.config
+        cfg = llm.model_runner.target.config
         prompts = [torch.randint(0, cfg.vocab_size, (16 + 8 * i,), generator=g).tolist()
                    for i in range(batch_size)]
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
         llm.generate(prompts, params)  # warm-up: first-use costs are not timed
-        executor = llm.executor
+        executor = llm.model_runner.executor
         best = None  # (elapsed, comm seconds, stats, tokens, counts)
         for _ in range(repeat):
             if executor is not None:
@@ -111,7 +111,7 @@ def measure(timer: CommTimer, target: str, draft: str | None, tp: int, batch_siz
                "step_ms": 1e3 * elapsed / steps, "comm_ms": 1e3 * comm / steps,
                "compute_ms": 1e3 * (elapsed - comm) / steps,
                "theory_allreduce_bytes_per_token": 2 * cfg.num_hidden_layers * cfg.hidden_size
-               * llm.torch_dtype.itemsize,
+               * llm.model_runner.torch_dtype.itemsize,
                "rank0_threads": torch.get_num_threads(),
                "worker_threads": max(1, torch.get_num_threads() // tp)}
         if counts is not None:

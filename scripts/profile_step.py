@@ -22,6 +22,7 @@ the figures say nothing about an MI300. State the thread count with any figure y
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 
@@ -31,8 +32,6 @@ from torch.profiler import ProfilerActivity, profile
 from rocdraft import LLM, SamplingParams, SpeculativeConfig
 from rocdraft.builtin import builtin_paths
 from rocdraft.bench.corpus import heldout_prompts
-from rocdraft.outputs import GenerationStats
-from rocdraft.core.scheduler import Scheduler
 
 PHASES = ("bookkeeping", "target_verify", "sampler", "draft")
 
@@ -60,18 +59,17 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-def _start_batch(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[Scheduler, list]:
-    """A scheduler holding ``prompts`` as requests, already past their prefill."""
-    scheduler = Scheduler(llm.scheduler_config)
+def _start_batch(llm: LLM, prompts: list[str], max_tokens: int) -> list:
+    """``prompts`` added as requests through the step API and stepped past their prefill
+    (maybe chunked) -> their ids."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    requests = [llm._make_request(i, p, params) for i, p in enumerate(prompts)]
-    for req in requests:
-        scheduler.add(req)
-    stats = GenerationStats(num_speculative_tokens=llm.config.speculative.num_speculative_tokens
-                            if llm.config.speculative else 0)
-    while any(not r.output_token_ids for r in requests):  # prefill (maybe chunked)
-        llm._step(scheduler, stats)
-    return scheduler, requests
+    ids = [f"profile-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        llm.add_request(request_id, prompt, params)
+    started: set = set()
+    while len(started) < len(ids):
+        started.update(out.request_id for out in llm.step() if out.token_ids)
+    return ids
 
 
 def weight_bytes(events, itemsize: int) -> int:
@@ -91,18 +89,19 @@ def profile_run(llm: LLM, label: str, prompts: list[str], args) -> float:
     step (draft_policy "fixed"), so the profiled step is the k-draft step whatever the cost
     policy would choose."""
     budget = (args.warmup + args.steps + 2) * (args.num_speculative_tokens + 1)
-    scheduler, _ = _start_batch(llm, prompts, budget)
-    stats = GenerationStats(num_speculative_tokens=llm.config.speculative.num_speculative_tokens
-                            if llm.config.speculative else 0)
+    ids = _start_batch(llm, prompts, budget)
     for _ in range(args.warmup):
-        llm._step(scheduler, stats)
-    stats = GenerationStats(num_speculative_tokens=stats.num_speculative_tokens)
+        llm.step()
+    before = copy.deepcopy(llm.stats)
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available() and str(llm.device).startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(args.steps):
-            llm._step(scheduler, stats)
+            llm.step()
+    stats = llm.stats.since(before)  # the profiled steps' counters
+    for request_id in ids:  # the next profile run starts from an idle engine
+        llm.abort_request(request_id)
     events = prof.key_averages()
     steps = max(stats.num_steps, 1)
     aten_calls = sum(e.count for e in events if e.key.startswith("aten::"))
@@ -122,7 +121,7 @@ def profile_run(llm: LLM, label: str, prompts: list[str], args) -> float:
           f"{aten_calls / steps:.0f} including nested; "
           f"host syncs per step: {syncs / steps:.1f}")
     tokens_per_step = len(prompts) * (stats.acceptance_length if stats.num_verify_steps else 1)
-    streamed = weight_bytes(prof.events(), llm.torch_dtype.itemsize) / steps
+    streamed = weight_bytes(prof.events(), llm.model_runner.torch_dtype.itemsize) / steps
     if stats.num_verify_steps:
         print(f"acceptance length {stats.acceptance_length:.2f}")
     print(f"matmul weight bytes read per step: {streamed / 2**20:.1f} MiB, per emitted token: "

@@ -114,7 +114,8 @@ def test_compare_hf_without_transformers_is_one_line(capsys, pair, monkeypatch):
 
 
 def test_prompt_sets_batches_and_rotation():
-    from rocdraft.bench.bench_cli import batches_of, prompt_set, rotated, spread
+    from rocdraft.bench.bench_cli import batches_of, prompt_set, rotated
+    from rocdraft.bench.bench_report import spread
 
     pool = ["a", "b", "c"]
     assert prompt_set(pool, 4, 2) == ["a", "b", "c", "a"]
@@ -214,7 +215,7 @@ def test_interrupted_plot_leaves_the_old_file_and_no_partial_one(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
     from matplotlib.figure import Figure
 
-    from rocdraft.bench.bench_cli import _save_atomically
+    from rocdraft.bench.bench_report import save_atomically
 
     class Interrupted(Figure):
         def savefig(self, f, **kwargs):
@@ -223,13 +224,13 @@ def test_interrupted_plot_leaves_the_old_file_and_no_partial_one(tmp_path):
 
     path = tmp_path / "bench.png"
     with pytest.raises(KeyboardInterrupt):
-        _save_atomically(Interrupted(), str(path))
+        save_atomically(Interrupted(), str(path))
     assert list(tmp_path.iterdir()) == []
     path.write_bytes(b"old")
     with pytest.raises(KeyboardInterrupt):
-        _save_atomically(Interrupted(), str(path))
+        save_atomically(Interrupted(), str(path))
     assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == b"old"
-    _save_atomically(Figure(), str(path))
+    save_atomically(Figure(), str(path))
     assert list(tmp_path.iterdir()) == [path] and path.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -238,11 +239,11 @@ def test_interrupted_plot_leaves_the_old_file_and_no_partial_one(tmp_path):
 def test_bench_compare_builtin_pair_side_by_side(capsys, tmp_path, monkeypatch):
     """target-only, the chain and a dynamic tree in one run on the built-in pair: the same
     greedy outputs, real acceptance, and a plot with every system."""
-    import rocdraft.bench.bench_cli
+    import rocdraft.bench.bench_report
 
     figures = []
-    real_save = rocdraft.bench.bench_cli._save_atomically
-    monkeypatch.setattr(rocdraft.bench.bench_cli, "_save_atomically",
+    real_save = rocdraft.bench.bench_report.save_atomically
+    monkeypatch.setattr(rocdraft.bench.bench_report, "save_atomically",
                         lambda fig, path: (figures.append(fig), real_save(fig, path)))
     has_plot = True
     try:

@@ -23,8 +23,7 @@ from checkpoints import (write_cyclic_eagle1_head, write_cyclic_eagle3_head, wri
 from distributed_helpers import live_children, make_mistral
 from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.distributed import messages as msg
-from rocdraft.drafter.graphs import DraftLoopRunner, capture_buckets
-from rocdraft.drafter.tree_graphs import TreeLoopRunner
+from rocdraft.drafter.graphs import capture_buckets
 from rocdraft.engine import LLM
 from rocdraft.errors import RocdraftError
 
@@ -84,15 +83,15 @@ def test_speculative_tp2_equals_tp1(pair, reference, method, monkeypatch):
     engine decides capture as at TP 1 (on a GPU it captures; here it says "no GPU"), and the
     draft-loop runner the engine builds on a GPU, replaying its static buffers eagerly here,
     runs under TP with the same tokens and without a message."""
-    with LLM(pair["target"], pair[method], _spec(method), tensor_parallel_size=2) as llm:
-        assert llm.draft_graph_refusal == LLM(pair["target"], pair[method],
-                                              _spec(method)).draft_graph_refusal
-        llm.proposer.graph_runner = DraftLoopRunner(
-            llm.proposer, llm.draft_kv_caches, llm.head.config.hidden_size,
-            llm.scheduler_config.max_blocks_per_seq, capture_buckets(4), use_graphs=False)
+    with LLM(pair["target"], pair[method], _spec(method), tensor_parallel_size=2,
+             max_num_seqs=4, graph_mode="replay-eagerly") as llm:
+        assert llm.draft_runner.graph_refusal == LLM(pair["target"], pair[method],
+                                                     _spec(method)).draft_runner.graph_refusal
+        runner = llm.draft_runner.proposer.graph_runner
+        assert runner.buckets == capture_buckets(4) and not runner.use_graphs
         ops = _record_ops(monkeypatch)
-        runs, run = [], llm.proposer.graph_runner.run
-        llm.proposer.graph_runner.run = lambda *a, **k: runs.append(1) or run(*a, **k)
+        runs, run = [], runner.run
+        monkeypatch.setattr(runner, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
         assert llm.last_stats.acceptance_length > 1.5  # drafts were accepted
         steps = llm.last_stats.num_steps
@@ -100,28 +99,25 @@ def test_speculative_tp2_equals_tp1(pair, reference, method, monkeypatch):
         assert ops.count(msg.TARGET_FORWARD) == ops.count(msg.TARGET_LOGITS) == steps
         # Seeded sampling is per output position, so speculative == target-only here too.
         assert _tokens(llm.generate(PROMPTS, SEEDED)) == reference["seeded"]
-        assert llm.executor.broadcast_bytes > 0 and llm.executor.counter.all_reduce_calls > 0
-        pids = llm.executor.worker_pids
+        assert llm.model_runner.executor.broadcast_bytes > 0 and llm.model_runner.executor.counter.all_reduce_calls > 0
+        pids = llm.model_runner.executor.worker_pids
     assert_no_children()
-    assert len(pids) == 1 and llm.executor.worker_exit_codes == [0]
+    assert len(pids) == 1 and llm.model_runner.executor.worker_exit_codes == [0]
 
 
 @pytest.mark.parametrize("tree", [dict(speculative_token_tree="[(0,), (1,), (0, 0), (0, 1), (1, 0)]"),
                                   dict(tree_depth=3, tree_top_k=2, tree_total_tokens=6)],
                          ids=["static", "dynamic"])
-def test_tree_speculation_tp2_equals_tp1(pair, reference, tree):
+def test_tree_speculation_tp2_equals_tp1(pair, reference, tree, monkeypatch):
     """Tree steps under TP: the tree-masked verify and the head's levels go through the
     proxies, and every rank compacts its own KV heads (TARGET_COMPACT); without the
     compaction message the workers' caches go stale and the tokens differ."""
     with _llm(pair["target"], pair["eagle3"], SpeculativeConfig("eagle3", **tree,
                                                                 draft_policy="fixed"),
-              tensor_parallel_size=2) as llm:
-        if llm.proposer.tree_drafter.level_ends:  # the runner a GPU engine builds
-            llm.proposer.tree_runner = TreeLoopRunner(
-                llm.proposer.tree_drafter, llm.draft_kv_caches, llm.head.config.hidden_size,
-                llm.scheduler_config.max_blocks_per_seq, capture_buckets(4), use_graphs=False)
-        runs, run = [], llm.proposer.tree_runner.run
-        llm.proposer.tree_runner.run = lambda *a, **k: runs.append(1) or run(*a, **k)
+              tensor_parallel_size=2, max_num_seqs=4, graph_mode="replay-eagerly") as llm:
+        runner = llm.draft_runner.proposer.tree_runner  # the runner a GPU engine builds
+        runs, run = [], runner.run
+        monkeypatch.setattr(runner, "run", lambda *a, **k: runs.append(1) or run(*a, **k))
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
         assert llm.last_stats.acceptance_length > 1.5
         assert runs  # the tree levels ran through the tree runner under TP
@@ -141,7 +137,7 @@ def test_ragged_batch_with_preemption_tp2(pair, reference):
 def test_tp4_replicated_kv_heads(pair, reference):
     """4 query heads, 2 KV heads: each of the 4 ranks holds one replicated KV head."""
     with _llm(pair["target"], pair["eagle"], _spec("eagle"), tensor_parallel_size=4) as llm:
-        assert llm.target.kv_cache_spec()[1] == 1
+        assert llm.model_runner.target.kv_cache_spec()[1] == 1
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
         assert llm.last_stats.acceptance_length > 1.5
     assert_no_children()
@@ -192,7 +188,7 @@ def test_idle_keepalive_then_worker_killed_mid_generate(pair):
               distributed_timeout_s=2.0)
     time.sleep(2.5)
     assert len(llm.generate(PROMPTS[:1], GREEDY)[0].token_ids) == 10
-    (pid,) = llm.executor.worker_pids
+    (pid,) = llm.model_runner.executor.worker_pids
     killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
     long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
     start = time.monotonic()
@@ -211,7 +207,7 @@ def test_close_and_garbage_collection_stop_the_workers(pair):
     assert len(live_children(os.getpid())) == 1
     llm.close()
     llm.close()
-    assert llm.executor.worker_exit_codes == [0]  # told SHUTDOWN and left, not killed
+    assert llm.model_runner.executor.worker_exit_codes == [0]  # told SHUTDOWN and left, not killed
     assert_no_children()
     llm = _llm(pair["target"], tensor_parallel_size=2)  # dropped without close(): finalizer
     del llm
@@ -238,7 +234,7 @@ def test_interrupt_inside_a_call_kills_the_workers(pair, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm.target.module, "forward", interrupted)
+    monkeypatch.setattr(llm.model_runner.target.module, "forward", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[:1], GREEDY)
     assert_no_children()

@@ -172,22 +172,22 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
     target, head = pair
     reference = [o.token_ids for o in LLM(target).generate(PROMPTS, GREEDY)]
     llm = LLM(target, head, SpeculativeConfig("eagle3", 3, **tree))
-    assert llm.shape_chooser is not None
+    assert llm.policy.shape_chooser is not None
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert llm.last_stats.acceptance_length > 1.5
-    times = llm.shape_chooser.buckets[4].times  # both shapes were timed at batch 4
+    times = llm.policy.shape_chooser.buckets[4].times  # both shapes were timed at batch 4
     assert set(times) == {"tree", "chain"} and all(t > 0 for ts in times.values() for t in ts)
     # Tree steps: the tree's tokens and the chain's on the same step (where the tree ran out
     # of rank-0 nodes, the chain's expected tokens: they may exceed the tree's)
-    tokens = llm.shape_chooser.buckets[4].tokens
+    tokens = llm.policy.shape_chooser.buckets[4].tokens
     assert tokens and all(tree > 0 and chain > 0 for tree, chain in tokens)
     assert any(tree > chain for tree, chain in tokens)
-    assert set(llm.chain_step_costs) == {1, 2, 4}  # the chain's costs, measured per bucket
+    assert set(llm.policy.chain_step_costs) == {1, 2, 4}  # the chain's costs, measured per bucket
     nodes = {}
     for faster in ("chain", "tree"):  # one shape far faster
-        force(llm.shape_chooser, faster)
+        force(llm.policy.shape_chooser, faster)
         # Drafting free: the chain's cost policy drafts min(k, depth) = 3.
-        llm.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 0.0, 0.0, 0.0))
+        llm.policy.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 0.0, 0.0, 0.0))
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
         stats = llm.last_stats
         assert stats.acceptance_length > 1.5
@@ -198,8 +198,8 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
         if faster == "chain":  # a chain, not a flat tree: drafts past depth 1 are accepted
             assert sum(stats.accepted_at_position[1:]) > 0, stats.accepted_at_position
     assert nodes["chain"] == 3 and nodes["tree"] > 4, nodes  # trees of up to 7 nodes
-    force(llm.shape_chooser, "chain")
-    llm.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 0.0, 0.0, 1.0))
+    force(llm.policy.shape_chooser, "chain")
+    llm.policy.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 0.0, 0.0, 1.0))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     stats = llm.last_stats  # drafting dear: chains of 1 (the policy's exploration
     assert 1 <= stats.num_verified_nodes / stats.num_verify_steps < 1.5  # lengthens a few)

@@ -71,7 +71,7 @@ def _run_until_drafting(llm: LLM, accept: list[int] | None = None):
     scheduler = Scheduler(llm.scheduler_config)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for i, prompt in enumerate([[1, 5, 7, 9], [1, 2], list(range(1, 20))]):
-        scheduler.add(llm._make_request(i, prompt, params))
+        scheduler.add(llm.make_request(i, prompt, params))
     from rocdraft.outputs import GenerationStats
 
     stats = GenerationStats(num_speculative_tokens=llm.config.speculative.num_speculative_tokens)
@@ -80,10 +80,10 @@ def _run_until_drafting(llm: LLM, accept: list[int] | None = None):
     scheduled = scheduler.schedule()
     batch = build_step_batch(scheduled, llm.scheduler_config.max_blocks_per_seq,
                              llm.scheduler_config.block_size, llm.device)
-    aux = llm.head.aux_layer_ids(llm.target.config.num_hidden_layers)
+    aux = llm.draft_runner.head.aux_layer_ids(llm.model_runner.target.config.num_hidden_layers)
     meta = llm.backend.builder_cls(llm.device).build(batch.common)
-    out = llm.target(batch.input_ids, batch.positions, llm.kv_caches, meta, aux_layer_ids=aux)
-    logits = llm.target.compute_logits(out.hidden_states[batch.sample_indices.view(-1)])
+    out = llm.model_runner.target(batch.input_ids, batch.positions, llm.model_runner.kv_caches, meta, aux_layer_ids=aux)
+    logits = llm.model_runner.target.compute_logits(out.hidden_states[batch.sample_indices.view(-1)])
     sampled = logits.view(len(scheduled), batch.max_drafts + 1, -1).argmax(-1)
     ends = batch.common.query_start_loc_cpu[1:].tolist()
     for row, num_accepted in enumerate(accept or [0] * len(scheduled)):
@@ -107,13 +107,13 @@ def test_padded_path_has_zero_host_syncs(pair, method):
     discard = torch.tensor([not s for s in batch.samples])
     counter = HostSyncCounter()
     with forbid_host_reads(), counter:
-        proposer = llm.proposer
+        proposer = llm.draft_runner.proposer
         next_ids, valid = proposer.prepare_next_token_ids_padded(
             sampled, discard, batch.backup_next_token_ids)
         indices, rejected = proposer.prepare_inputs_padded(batch.common,
                                                            batch.num_draft_tokens, valid)
         drafts = proposer.propose(batch.input_ids, batch.positions, hidden, next_ids, indices,
-                                  batch.common, llm.draft_kv_caches, num_rejected=rejected)
+                                  batch.common, llm.draft_runner.kv_caches, num_rejected=rejected)
     assert counter.syncs == []
     assert drafts.shape == (batch.common.num_reqs, 4)
 
@@ -129,7 +129,7 @@ def test_padded_and_unpadded_paths_propose_the_same_drafts_under_rejections(pair
     accept = [0, 2, 4]
     batch, sampled, hidden = _run_until_drafting(llm, accept)
     assert batch.num_draft_tokens_cpu == [4, 4, 4]
-    proposer, caches = llm.proposer, llm.draft_kv_caches
+    proposer, caches = llm.draft_runner.proposer, llm.draft_runner.kv_caches
     saved = [(c.key.clone(), c.value.clone()) for c in caches]
 
     next_ids, _, indices, rejected = proposer.prepare_padded(
@@ -168,7 +168,7 @@ def test_k1_returns_one_draft_per_request(pair):
               speculative_config=SpeculativeConfig("eagle", num_speculative_tokens=1,
                                                    draft_policy="fixed"))
     batch, sampled, hidden = _run_until_drafting(llm)
-    drafts = llm._propose(batch, sampled, hidden)
+    drafts = llm.draft_runner.propose_chain(batch, sampled, hidden, num_drafts=1).tokens
     assert drafts.shape == (batch.common.num_reqs, 1)
 
 
@@ -214,23 +214,23 @@ def test_drafting_past_max_model_len_never_writes_outside_the_request(pair):
                                                                    draft_policy="fixed"))
     scheduler = Scheduler(llm.scheduler_config)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    near_end, short = llm._make_request(0, list(range(1, 14)), params), \
-        llm._make_request(1, [1, 2, 3], params)
+    near_end, short = llm.make_request(0, list(range(1, 14)), params), \
+        llm.make_request(1, [1, 2, 3], params)
     scheduler.add(near_end)
     scheduler.add(short)
     scheduled = scheduler.schedule()
     owned = {b for s in scheduled for b in s.request.block_ids}
     batch = build_step_batch(scheduled, llm.scheduler_config.max_blocks_per_seq, 4, "cpu")
-    for cache in llm.draft_kv_caches:
+    for cache in llm.draft_runner.kv_caches:
         cache.key.fill_(7.0)
         cache.value.fill_(7.0)
-    before = [c.key.clone() for c in llm.draft_kv_caches]
+    before = [c.key.clone() for c in llm.draft_runner.kv_caches]
     meta = llm.backend.builder_cls("cpu").build(batch.common)
-    aux = llm.head.aux_layer_ids(llm.target.config.num_hidden_layers)
-    out = llm.target(batch.input_ids, batch.positions, llm.kv_caches, meta, aux_layer_ids=aux)
-    sampled = llm.target.compute_logits(out.hidden_states[batch.sample_indices[:, 0]]).argmax(-1)
-    llm._propose(batch, sampled.view(-1, 1), out.aux_hidden_states)
-    for old, cache in zip(before, llm.draft_kv_caches):
+    aux = llm.draft_runner.head.aux_layer_ids(llm.model_runner.target.config.num_hidden_layers)
+    out = llm.model_runner.target(batch.input_ids, batch.positions, llm.model_runner.kv_caches, meta, aux_layer_ids=aux)
+    sampled = llm.model_runner.target.compute_logits(out.hidden_states[batch.sample_indices[:, 0]]).argmax(-1)
+    llm.draft_runner.propose_chain(batch, sampled.view(-1, 1), out.aux_hidden_states, num_drafts=6)
+    for old, cache in zip(before, llm.draft_runner.kv_caches):
         untouched = sorted(set(range(cache.num_blocks)) - owned)
         assert torch.equal(old[untouched], cache.key[untouched])
         # near_end has 13 tokens and max_model_len 16: positions 13..15 may be written,
@@ -350,7 +350,7 @@ def test_chain_drafts_equal_a_dense_recomputation(pair, method):
     llm = LLM(pair["target"], draft=pair[method],
               speculative_config=SpeculativeConfig(method, num_speculative_tokens=k,
                                                    draft_policy="fixed"))
-    head, proposer = llm.head, llm.proposer
+    head, proposer = llm.draft_runner.head, llm.draft_runner.proposer
     block_size = proposer.block_size
     width = -(-proposer.max_model_len // block_size)
     block_table = torch.arange(width, dtype=torch.int32).flip(0).view(1, -1)
@@ -361,7 +361,7 @@ def test_chain_drafts_equal_a_dense_recomputation(pair, method):
                                  "cpu")
 
     g = torch.Generator().manual_seed(3)
-    n, hidden_size = 21, llm.target.config.hidden_size
+    n, hidden_size = 21, llm.model_runner.target.config.hidden_size
     ids = torch.randint(3, 160, (n,), generator=g)
     num_features = 3 if method == "eagle3" else 1
     features = tuple(torch.randn(n, hidden_size, generator=g) for _ in range(num_features))
@@ -421,9 +421,9 @@ def test_draft_loop_without_the_padding_redirect_drafts_and_writes_the_same(pair
     llm = LLM(pair["target"], draft=pair[method],
               speculative_config=SpeculativeConfig(method, num_speculative_tokens=4,
                                                    draft_policy="fixed"))
-    assert hasattr(llm.proposer.builder, "build_for_draft_steps")  # CPU_ATTN on the CPU
+    assert hasattr(llm.draft_runner.proposer.builder, "build_for_draft_steps")  # CPU_ATTN on the CPU
     batch, sampled, hidden = _run_until_drafting(llm, [1, 2, 0])
-    proposer, caches = llm.proposer, llm.draft_kv_caches
+    proposer, caches = llm.draft_runner.proposer, llm.draft_runner.kv_caches
     seen = []
     draft_steps = proposer.draft_steps
 

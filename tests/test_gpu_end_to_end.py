@@ -74,7 +74,7 @@ def test_graph_replay_equals_eager(pair):
               attention_backend="TRITON_ATTN" if not _runnable("TRITON_ATTN") else "TORCH_SDPA",
               speculative_config=SpeculativeConfig("eagle3", 4, enforce_eager=True,
                                                    draft_policy="fixed"))
-    runner = DraftLoopRunner(llm.proposer, llm.draft_kv_caches, llm.head.config.hidden_size,
+    runner = DraftLoopRunner(llm.draft_runner.proposer, llm.draft_runner.kv_caches, llm.draft_runner.head.config.hidden_size,
                              llm.scheduler_config.max_blocks_per_seq, capture_buckets(8),
                              use_graphs=True)
     assert set(runner.graphs) == set(capture_buckets(8))
@@ -84,10 +84,10 @@ def test_graph_replay_equals_eager(pair):
         width = llm.scheduler_config.max_blocks_per_seq
         table = torch.arange(batch_size * width, dtype=torch.int32, device="cuda").view(
             batch_size, width)
-        hidden = torch.randn(batch_size, llm.head.config.hidden_size, device="cuda", generator=g)
+        hidden = torch.randn(batch_size, llm.draft_runner.head.config.hidden_size, device="cuda", generator=g)
         ids = torch.randint(0, 100, (batch_size,), device="cuda", generator=g)
         args = (ids, lengths - 1, lengths.to(torch.int32), hidden, table)
-        eager = llm.proposer.draft_steps(*args, llm.draft_kv_caches,
+        eager = llm.draft_runner.proposer.draft_steps(*args, llm.draft_runner.kv_caches,
                                          seq_len_bound=int(lengths.max()))
         assert torch.equal(runner.run(*args, int(lengths.max())), eager)
 
@@ -98,12 +98,12 @@ def test_engine_captures_the_draft_loop_on_gpu(pair):
     llm = LLM(pair["target"], draft=pair["eagle3"], device="cuda", max_num_seqs=4,
               attention_backend="TORCH_SDPA",
               speculative_config=SpeculativeConfig("eagle3", 3, draft_policy="fixed"))
-    assert llm.draft_graph_refusal is None and llm.proposer.graph_runner is not None
+    assert llm.draft_runner.graph_refusal is None and llm.draft_runner.proposer.graph_runner is not None
     eager = LLM(pair["target"], draft=pair["eagle3"], device="cuda", max_num_seqs=4,
                 attention_backend="TORCH_SDPA",
                 speculative_config=SpeculativeConfig("eagle3", 3, enforce_eager=True,
                                                      draft_policy="fixed"))
-    assert eager.proposer.graph_runner is None
+    assert eager.draft_runner.proposer.graph_runner is None
     assert [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY)] == \
         [o.token_ids for o in eager.generate(PROMPTS[:4], GREEDY)]
 
@@ -122,8 +122,8 @@ def test_tree_speculation_with_captured_levels_equals_target_only(pair, backend,
     reference = [o.token_ids for o in LLM(pair["target"], **kwargs).generate(PROMPTS, GREEDY)]
     llm = LLM(pair["target"], draft=pair["eagle3"],
               speculative_config=SpeculativeConfig("eagle3", **tree), **kwargs)
-    assert llm.draft_graph_refusal is None and llm.proposer.tree_runner is not None
-    assert set(llm.proposer.tree_runner.graphs)  # captured per bucket
+    assert llm.draft_runner.graph_refusal is None and llm.draft_runner.proposer.tree_runner is not None
+    assert set(llm.draft_runner.proposer.tree_runner.graphs)  # captured per bucket
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert llm.last_stats.acceptance_length > 1.5
 
@@ -143,15 +143,15 @@ def test_tree_config_drafting_chains_replays_the_captured_chain_loop(pair, backe
     reference = [o.token_ids for o in LLM(pair["target"], **kwargs).generate(PROMPTS, GREEDY)]
     llm = LLM(pair["target"], draft=pair["eagle3"], speculative_config=SpeculativeConfig(
         "eagle3", 4, tree_depth=4, tree_top_k=3, tree_total_tokens=10), **kwargs)
-    chooser, runner = llm.shape_chooser, llm.proposer.graph_runner
+    chooser, runner = llm.policy.shape_chooser, llm.draft_runner.proposer.graph_runner
     assert chooser is not None and runner is not None and set(runner.graphs)
-    assert llm.proposer.tree_runner is not None
+    assert llm.draft_runner.proposer.tree_runner is not None
     for bucket in (1, 2, 4, 8):  # the chain measured far faster everywhere
         for _ in range(MIN_TIME_SAMPLES):
             chooser.record(bucket, "tree", 1.0, 10, 5)
             chooser.record(bucket, "chain", 1e-9)
     # Drafting costs nothing: the chain's cost policy drafts all 4 (the captured length).
-    llm.chain_step_costs = dict.fromkeys((1, 2, 4, 8), StepCosts(1.0, 0.0, 0.0, 0.0, 0.0))
+    llm.policy.chain_step_costs = dict.fromkeys((1, 2, 4, 8), StepCosts(1.0, 0.0, 0.0, 0.0, 0.0))
     replays = []
     original = runner.run
     runner.run = lambda *args: replays.append(1) or original(*args)

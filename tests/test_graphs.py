@@ -36,8 +36,8 @@ def _inputs(llm, batch_size: int, seed: int, near_the_end: bool = True):
         lengths[-1] = llm.max_model_len - 2
     width = llm.scheduler_config.max_blocks_per_seq
     table = torch.arange(batch_size * width, dtype=torch.int32).view(batch_size, width)
-    hidden = torch.randn(batch_size, llm.head.config.hidden_size, generator=g)
-    draft_ids = torch.randint(0, llm.target.config.vocab_size, (batch_size,), generator=g)
+    hidden = torch.randn(batch_size, llm.draft_runner.head.config.hidden_size, generator=g)
+    draft_ids = torch.randint(0, llm.model_runner.target.config.vocab_size, (batch_size,), generator=g)
     return draft_ids, lengths - 1, lengths.to(torch.int32), hidden, table, int(lengths.max())
 
 
@@ -52,8 +52,8 @@ def test_capture_buckets():
 
 @pytest.mark.parametrize("batch_size", range(1, BUCKETS[-1] + 1))
 def test_padded_bucket_equals_unpadded(llm, batch_size):
-    proposer, caches = llm.proposer, llm.draft_kv_caches
-    runner = DraftLoopRunner(proposer, caches, llm.head.config.hidden_size,
+    proposer, caches = llm.draft_runner.proposer, llm.draft_runner.kv_caches
+    runner = DraftLoopRunner(proposer, caches, llm.draft_runner.head.config.hidden_size,
                              llm.scheduler_config.max_blocks_per_seq, BUCKETS, use_graphs=False)
     draft_ids, positions, seq_lens, hidden, table, bound = _inputs(llm, batch_size, batch_size)
     for cache in caches:
@@ -95,9 +95,9 @@ def test_bounded_capture_equals_unpadded(llm, batch_size, monkeypatch):
     """A runner captured for max_seq_len 48 (max_model_len is 64): batches that fit replay
     the static buffers with 48 as every step's bound; a batch whose request may pass it runs
     eagerly on its own tensors. Both give exactly the unpadded drafts."""
-    proposer, caches = llm.proposer, llm.draft_kv_caches
+    proposer, caches = llm.draft_runner.proposer, llm.draft_runner.kv_caches
     steps = proposer.num_speculative_tokens - 1
-    runner = DraftLoopRunner(proposer, caches, llm.head.config.hidden_size,
+    runner = DraftLoopRunner(proposer, caches, llm.draft_runner.head.config.hidden_size,
                              llm.scheduler_config.max_blocks_per_seq, BUCKETS, use_graphs=False,
                              max_seq_len=48)
     bounds = []
@@ -128,7 +128,7 @@ def test_bounded_capture_equals_unpadded(llm, batch_size, monkeypatch):
 
 
 def test_capture_bound_is_checked(llm):
-    args = (llm.proposer, llm.draft_kv_caches, llm.head.config.hidden_size,
+    args = (llm.draft_runner.proposer, llm.draft_runner.kv_caches, llm.draft_runner.head.config.hidden_size,
             llm.scheduler_config.max_blocks_per_seq, BUCKETS)
     for bad in (llm.max_model_len + 1, 3):  # above max_model_len; below k (4)
         with pytest.raises(ValueError, match="max_seq_len"):
@@ -137,10 +137,10 @@ def test_capture_bound_is_checked(llm):
 
 
 def test_accepts_up_to_the_largest_bucket_and_the_bound(llm):
-    runner = DraftLoopRunner(llm.proposer, llm.draft_kv_caches, llm.head.config.hidden_size,
+    runner = DraftLoopRunner(llm.draft_runner.proposer, llm.draft_runner.kv_caches, llm.draft_runner.head.config.hidden_size,
                              llm.scheduler_config.max_blocks_per_seq, BUCKETS,
                              use_graphs=False, max_seq_len=32)
-    steps = llm.proposer.num_speculative_tokens - 1
+    steps = llm.draft_runner.proposer.num_speculative_tokens - 1
     assert runner.accepts(BUCKETS[-1]) and not runner.accepts(BUCKETS[-1] + 1)
     assert runner.accepts(1, 32 - steps) and not runner.accepts(1, 32 - steps + 1)
 
@@ -150,19 +150,24 @@ def test_sdpa_gather_bytes():
     assert sdpa_gather_bytes(64, 512, 8, 128) == 256 * 2 ** 20
 
 
-def test_engine_with_the_runner_is_lossless(llm):
+def test_engine_with_the_runner_is_lossless(llm, monkeypatch):
+    """The engine with the chain runner a GPU engine builds (graph_mode "replay-eagerly")
+    emits the eager engine's tokens and acceptance, through the runner."""
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     prompts = [[1, 5, 7], [1, 2], list(range(1, 20)), [4] * 9, [3, 3, 3]]
     eager = [o.token_ids for o in llm.generate(prompts, params)]
-    llm.proposer.graph_runner = DraftLoopRunner(
-        llm.proposer, llm.draft_kv_caches, llm.head.config.hidden_size,
-        llm.scheduler_config.max_blocks_per_seq, BUCKETS, use_graphs=False)
-    try:
-        stats_eager = llm.last_stats.accepted_at_position
-        assert [o.token_ids for o in llm.generate(prompts, params)] == eager
-        assert llm.last_stats.accepted_at_position == stats_eager
-    finally:
-        llm.proposer.graph_runner = None
+    stats_eager = llm.last_stats.accepted_at_position
+    replaying = LLM(llm.config.target, draft=llm.config.draft, max_num_seqs=8, block_size=4,
+                    max_model_len=64, graph_mode="replay-eagerly",
+                    speculative_config=SpeculativeConfig("eagle3", 4, draft_policy="fixed"))
+    runner = replaying.draft_runner.proposer.graph_runner
+    assert runner is not None and not runner.use_graphs
+    assert runner.buckets == capture_buckets(8)
+    calls, run = [], runner.run
+    monkeypatch.setattr(runner, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
+    assert [o.token_ids for o in replaying.generate(prompts, params)] == eager
+    assert replaying.last_stats.accepted_at_position == stats_eager
+    assert calls and sum(stats_eager) > 0
 
 
 def test_graph_capture_refusal_reasons():
@@ -172,8 +177,8 @@ def test_graph_capture_refusal_reasons():
 
 
 def test_engine_logs_why_it_runs_eagerly(llm):
-    assert llm.draft_graph_refusal is not None
-    assert llm.proposer.graph_runner is None
+    assert llm.draft_runner.graph_refusal is not None
+    assert llm.draft_runner.proposer.graph_runner is None
     # No graphs to capture here: the head shares the target's backend, and says why.
     assert llm.draft_backend is llm.backend
-    assert "target's backend" in llm.draft_backend_reason
+    assert "target's backend" in llm.draft_runner.backend_reason

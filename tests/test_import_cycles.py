@@ -1,7 +1,9 @@
-"""No import circles among the modules of the ``rocdraft/`` folder (subpackages included), read
-from the source with ``ast``: imports at module level must form no cycle at all, and the CLI
-modules must not reach each other even through imports inside functions (``rocdraft
-generate`` must not load the bench or the server, and they share ``cli_options`` instead)."""
+"""No import circles among the modules of the ``rocdraft`` namespace (every folder setup.py maps
+into it: ``rocdraft/``, ``backends/``, ``drafter/``, ``models/``, ``hip_kernels/``), read from
+the source with ``ast``: imports at module level must form no cycle, nor may imports inside
+functions close one (a lazy import only hides a circle), and the CLI modules must not reach
+each other (``rocdraft generate`` must not load the bench or the server, and they share
+``cli_options`` instead)."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "rocdraft"
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "rocdraft"
+# setup.py's FOLDERS: import package -> folder.
+FOLDERS = {"rocdraft": "rocdraft", "rocdraft.backends": "backends",
+           "rocdraft.drafter": "drafter", "rocdraft.models": "models",
+           "rocdraft.hip_kernels": "hip_kernels"}
 CLI_MODULES = ("rocdraft.entrypoints.cli", "rocdraft.bench.bench_cli", "rocdraft.bench.serve_bench",
                "rocdraft.serve.command")
 
@@ -24,6 +31,14 @@ def module_files(root: Path = ROOT, package: str = "rocdraft") -> dict[str, Path
         if parts[-1] == "__init__":
             parts.pop()
         modules[".".join([package, *parts])] = path
+    return modules
+
+
+def namespace_files() -> dict[str, Path]:
+    """Every module of the namespace, across the folders setup.py maps into it."""
+    modules = {}
+    for package, folder in FOLDERS.items():
+        modules.update(module_files(REPO / folder, package))
     return modules
 
 
@@ -127,8 +142,17 @@ def test_imports_of_resolves_from_relative_and_lazy_imports(tmp_path):
     assert import_graph(modules, top_level_only=False)["pkg.a"] == {"pkg.sub.b", "pkg.c"}
 
 
-def test_no_import_cycle_at_module_level():
-    cycle = find_cycle(import_graph(module_files(), top_level_only=True))
+def test_namespace_covers_every_mapped_folder():
+    modules = namespace_files()
+    for name in ("rocdraft.engine.llm_engine", "rocdraft.backends.kv_compact",
+                 "rocdraft.hip_kernels.dispatch", "rocdraft.drafter.eagle",
+                 "rocdraft.models.llama"):
+        assert name in modules
+
+
+@pytest.mark.parametrize("top_level_only", [True, False], ids=["module-level", "with-lazy"])
+def test_no_import_cycle(top_level_only):
+    cycle = find_cycle(import_graph(namespace_files(), top_level_only=top_level_only))
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 

@@ -126,9 +126,9 @@ def test_one_budget_sizes_both_caches(pair):
     # block 4 x float32 x (target 8 layers + head 1) x 2 KV heads x 16 x (K and V)
     assert plan.bytes_per_block == 2 * 4 * 4 * (8 + 1) * 2 * 16 == 9216
     assert plan.num_blocks == 200 * 1024 // 9216 == 22 and plan.source == "kv_cache_memory"
-    allocated = sum(c.key.nbytes + c.value.nbytes for c in llm.kv_caches + llm.draft_kv_caches)
+    allocated = sum(c.key.nbytes + c.value.nbytes for c in llm.model_runner.kv_caches + llm.draft_runner.kv_caches)
     assert allocated == plan.num_bytes <= 200 * 1024
-    assert llm.kv_caches[0].key.shape[0] == llm.draft_kv_caches[0].key.shape[0] == 22
+    assert llm.model_runner.kv_caches[0].key.shape[0] == llm.draft_runner.kv_caches[0].key.shape[0] == 22
 
 
 def test_tiny_budget_preempts_with_the_same_greedy_tokens(pair):

@@ -1,4 +1,5 @@
-"""KV compaction after tree verification (backends/kv_compact.py): the torch reference, the
+"""KV compaction after tree verification (backends/kv_compact.py, and where it runs:
+backends/kv_compact_dispatch.py): the torch reference, the
 Triton kernel (TRITON_INTERPRET=1, set by conftest) and the HIP kernel (through the CPU shim).
 
 What these tests prove: on random BFS trees and accepted paths, both layouts and every cache
@@ -19,12 +20,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rocdraft.backends import kv_compact
+from rocdraft.backends import kv_compact_dispatch
 from rocdraft.backends.kv_cache import (FP8_DTYPES, NHD, SPLIT_K, LayerKVCache, _element_index,
                                         compute_slot_mapping, kv_cache_shapes, split_k_x,
                                         write_kv_reference)
-from rocdraft.backends.kv_compact import (bits_view, compact_kv, compact_kv_layers,
-                                          compact_kv_moves, compact_kv_reference)
+from rocdraft.backends.kv_compact import bits_view, compact_kv_moves, compact_kv_reference
+from rocdraft.backends.kv_compact_dispatch import compact_kv, compact_kv_layers
 from rocdraft.backends.triton_kernels.kv_compact import compact_kv_triton
 from rocdraft.hip_kernels import build, ops
 from rocdraft.hip_kernels.ops import LAYOUT_CODES
@@ -336,7 +337,7 @@ def test_block_table_entry_below_zero_or_no_accepted_touches_nothing(shim):
 
 def test_dispatch_picks_the_reference_on_cpu_and_forces_forms(monkeypatch, shim):
     calls = []
-    monkeypatch.setattr(kv_compact, "compact_kv_reference", lambda *a: calls.append("ref"))
+    monkeypatch.setattr(kv_compact_dispatch, "compact_kv_reference", lambda *a: calls.append("ref"))
     cache = random_cache(NHD, 2, 4, 1, 8, torch.float16, torch.Generator().manual_seed(0))
     args = (torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
             torch.tensor([[1]]), torch.tensor([1]), 4)

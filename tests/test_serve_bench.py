@@ -12,9 +12,10 @@ import math
 import pytest
 
 from rocdraft.errors import RocdraftError
-from rocdraft.bench.serve_bench import (DONE, RequestResult, apply_chunk, arrival_offsets, drive,
-                                  model_flags, overall_acceptance, parse_sse_line, percentiles,
-                                  stream_completion, summarize)
+from rocdraft.bench.serve_bench import model_flags
+from rocdraft.bench.serve_client import (DONE, RequestResult, apply_chunk, arrival_offsets, drive,
+                                         overall_acceptance, parse_sse_line, percentiles,
+                                         stream_completion, summarize)
 
 
 def test_percentiles_interpolate_like_numpy():

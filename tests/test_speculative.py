@@ -225,7 +225,7 @@ def test_speculative_configuration_errors(pair):
 def test_draft_token_cap_shrinks_drafts_with_the_batch_and_stays_lossless(pair, reference):
     spec = SpeculativeConfig("eagle3", 4, max_draft_tokens_per_step=8, draft_policy="fixed")
     llm = LLM(pair["target"], draft=pair["eagle3"], speculative_config=spec)
-    assert [llm.drafts_per_request(b) for b in (1, 2, 3, 4, 8, 9)] == [4, 4, 2, 2, 1, 0]
+    assert [llm.policy.drafts_per_request(b) for b in (1, 2, 3, 4, 8, 9)] == [4, 4, 2, 2, 1, 0]
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     # Four copies of one request advance together: at most two drafts each, so positions 3
     # and 4 are never proposed.

@@ -68,17 +68,17 @@ def test_engine_feeds_pure_steps_and_obeys_a_veto(pair):
     target, head = pair
     reference = [o.token_ids for o in LLM(target).generate(PROMPTS, GREEDY)]
     llm = LLM(target, head, SpeculativeConfig("eagle3", 3))
-    assert llm.throughput_guard is not None
+    assert llm.policy.throughput_guard is not None
     # Costs under which the policy always speculates (the tiny test model's measured ones
     # need not): the guard is what this test watches.
-    llm.given_step_costs = StepCosts(1.0, 1e-3, 0.0, 0.0, 1e-3)
+    llm.policy.given_step_costs = StepCosts(1.0, 1e-3, 0.0, 0.0, 1e-3)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert llm.last_stats.acceptance_length > 1.5
-    rates = llm.throughput_guard.buckets[4].rates  # both modes were measured at batch 4
+    rates = llm.policy.throughput_guard.buckets[4].rates  # both modes were measured at batch 4
     assert rates["spec"] > 0 and rates["plain"] > 0
     # Speculation measured far slower everywhere: the engine decodes plainly but for probes.
     for bucket in (1, 2, 4):
-        llm.throughput_guard.record(bucket, "plain", 10**9, 1.0)
+        llm.policy.throughput_guard.record(bucket, "plain", 10**9, 1.0)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     # num_verify_steps counts requests that verified: unvetoed, every request verifies in
     # nearly every step; vetoed, only the probes' steps (3 in 16) do.

@@ -60,20 +60,20 @@ class Setup:
 
     def __init__(self, llm: LLM, tree, context_lens: list[int], seed: int = 0,
                  max_model_len: int = MAX_MODEL_LEN, free_blocks: int = 3):
-        self.llm, self.head, self.tree = llm, llm.head, tree
+        self.llm, self.head, self.tree = llm, llm.draft_runner.head, tree
         self.max_model_len = max_model_len
         self.context_lens = context_lens
         batch = len(context_lens)
         self.proposer = EagleProposer(self.head, llm.draft_backend, 1, 256, 8, max_model_len,
-                                      BLOCK_SIZE, llm.target.config.vocab_size, "cpu", tree=tree)
+                                      BLOCK_SIZE, llm.model_runner.target.config.vocab_size, "cpu", tree=tree)
         g = torch.Generator().manual_seed(seed)
         self.width = -(-max_model_len // BLOCK_SIZE)
         self.num_blocks = batch * self.width + free_blocks
         order = torch.randperm(self.num_blocks, generator=g)
         self.block_table = order[:batch * self.width].view(batch, self.width).to(torch.int32)
-        hidden_size = llm.target.config.hidden_size
+        hidden_size = llm.model_runner.target.config.hidden_size
         num_features = 3 if llm.config.speculative.method == "eagle3" else 1
-        vocab = llm.target.config.vocab_size
+        vocab = llm.model_runner.target.config.vocab_size
         self.ids = [torch.randint(3, vocab, (n,), generator=g) for n in context_lens]
         self.features = [tuple(torch.randn(n, hidden_size, generator=g)
                                for _ in range(num_features)) for n in context_lens]

@@ -41,25 +41,25 @@ def snapshot(caches) -> list[torch.Tensor]:
 @pytest.mark.parametrize("batch_size", [1, 3, 5])
 def test_bucketed_replay_equals_unbucketed_drafting(pair, tree, batch_size):
     llm = engine(pair, tree, max_num_seqs=8)
-    proposer, drafter = llm.proposer, llm.proposer.tree_drafter
+    proposer, drafter = llm.draft_runner.proposer, llm.draft_runner.proposer.tree_drafter
     max_blocks = llm.scheduler_config.max_blocks_per_seq
-    runner = TreeLoopRunner(drafter, llm.draft_kv_caches, llm.head.config.hidden_size,
+    runner = TreeLoopRunner(drafter, llm.draft_runner.kv_caches, llm.draft_runner.head.config.hidden_size,
                             max_blocks, capture_buckets(8), use_graphs=False)
     gen = torch.Generator().manual_seed(batch_size)
-    hidden = torch.randn(batch_size, llm.head.config.hidden_size, generator=gen)
+    hidden = torch.randn(batch_size, llm.draft_runner.head.config.hidden_size, generator=gen)
     positions = torch.randint(5, 40, (batch_size,), generator=gen)
     positions[0] = 62  # near max_model_len 64: its deeper levels are dead
     table = torch.arange(batch_size * max_blocks, dtype=torch.int32).view(batch_size, -1)
     # A full bucket first leaves stale rows in the static buffers (real blocks, positions).
     runner.run(torch.randn(8, hidden.shape[1], generator=gen), torch.randint(5, 40, (8,)),
                torch.arange(8 * max_blocks, dtype=torch.int32).view(8, -1), seq_len_bound=64)
-    for cache in llm.draft_kv_caches:  # a context to attend over
+    for cache in llm.draft_runner.kv_caches:  # a context to attend over
         cache.key.normal_(generator=gen)
         cache.value.normal_(generator=gen)
-    before = snapshot(llm.draft_kv_caches)
-    eager = drafter.draft(hidden, positions, table, llm.draft_kv_caches, seq_len_bound=64)
-    after_eager = snapshot(llm.draft_kv_caches)
-    for cache, saved in zip(llm.draft_kv_caches, zip(before[::2], before[1::2])):
+    before = snapshot(llm.draft_runner.kv_caches)
+    eager = drafter.draft(hidden, positions, table, llm.draft_runner.kv_caches, seq_len_bound=64)
+    after_eager = snapshot(llm.draft_runner.kv_caches)
+    for cache, saved in zip(llm.draft_runner.kv_caches, zip(before[::2], before[1::2])):
         cache.key.copy_(saved[0])
         cache.value.copy_(saved[1])
     assert runner.accepts(batch_size, 64, None)
@@ -68,39 +68,39 @@ def test_bucketed_replay_equals_unbucketed_drafting(pair, tree, batch_size):
     assert torch.equal(replayed.tokens, eager.tokens)
     assert torch.equal(replayed.parents, eager.parents)
     assert torch.equal(replayed.num_nodes, eager.num_nodes)
-    for got, expected in zip(snapshot(llm.draft_kv_caches), after_eager):
+    for got, expected in zip(snapshot(llm.draft_runner.kv_caches), after_eager):
         assert torch.equal(got, expected)  # padding rows wrote nothing
     assert proposer.tree_runner is None  # the engine builds runners on GPUs only
 
 
 def test_budget_and_long_sequences_are_not_replayed(pair):
     llm = engine(pair, "dynamic", max_num_seqs=4)
-    runner = TreeLoopRunner(llm.proposer.tree_drafter, llm.draft_kv_caches,
-                            llm.head.config.hidden_size, llm.scheduler_config.max_blocks_per_seq,
+    runner = TreeLoopRunner(llm.draft_runner.proposer.tree_drafter, llm.draft_runner.kv_caches,
+                            llm.draft_runner.head.config.hidden_size, llm.scheduler_config.max_blocks_per_seq,
                             (1, 2, 4), use_graphs=False, max_seq_len=32)
     assert not runner.accepts(2, 16, budget_nodes=4)  # the budget is over real rows
     assert not runner.accepts(8, 16, None)  # larger than the largest bucket
     assert not runner.accepts(2, 30, None)  # levels may pass max_seq_len 32
     assert runner.accepts(2, 16, None)
     with pytest.raises(ValueError, match="max_seq_len must be in"):
-        TreeLoopRunner(llm.proposer.tree_drafter, llm.draft_kv_caches, 8, 4, (1,),
+        TreeLoopRunner(llm.draft_runner.proposer.tree_drafter, llm.draft_runner.kv_caches, 8, 4, (1,),
                        use_graphs=False, max_seq_len=2)
 
 
 @pytest.mark.parametrize("tree", list(TREES))
-def test_engine_through_the_runner_stays_lossless(pair, tree):
-    """The engine with a CPU runner installed (as on a GPU, replayed eagerly) gives
-    target-only's greedy tokens while accepting tree nodes."""
+def test_engine_through_the_runner_stays_lossless(pair, tree, monkeypatch):
+    """The engine with the runner a GPU engine builds (graph_mode "replay-eagerly": its
+    static buffers replayed eagerly) gives target-only's greedy tokens while accepting tree
+    nodes."""
     prompts = [[1, 5, 7, 9], [1, 2], list(range(1, 30))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = [o.token_ids for o in LLM(pair[0], attention_backend="TORCH_SDPA",
                                           max_model_len=64).generate(prompts, params)]
-    llm = engine(pair, tree, max_num_seqs=4)
-    llm.proposer.tree_runner = TreeLoopRunner(
-        llm.proposer.tree_drafter, llm.draft_kv_caches, llm.head.config.hidden_size,
-        llm.scheduler_config.max_blocks_per_seq, (1, 2, 4), use_graphs=False)
+    llm = engine(pair, tree, max_num_seqs=4, graph_mode="replay-eagerly")
+    runner = llm.draft_runner.proposer.tree_runner
+    assert runner is not None and not runner.use_graphs and runner.buckets == (1, 2, 4)
     calls = []
-    run = llm.proposer.tree_runner.run
-    llm.proposer.tree_runner.run = lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k)
+    run = runner.run
+    monkeypatch.setattr(runner, "run", lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k))
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert calls and llm.last_stats.acceptance_length > 1.5

@@ -217,15 +217,15 @@ def test_chain_config_is_unchanged_by_the_tree_path(pair, reference):
     """num_speculative_tokens keeps meaning the chain: no spec_mask, no parents."""
     llm = LLM(pair["target"], draft=pair["eagle3"], speculative_config=SpeculativeConfig(
         "eagle3", 3, draft_policy="fixed"))
-    assert llm.tree is None and llm.proposer.tree_drafter is None
+    assert llm.tree is None and llm.draft_runner.proposer.tree_drafter is None
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert len(llm.last_stats.per_position_acceptance) == 3
 
 
 def _recorded_budgets(llm: LLM) -> list[tuple[int, int | None]]:
     """(batch size, budget) of every tree the engine drafts from now on."""
-    budgets, choose = [], llm._tree_budget
-    llm._tree_budget = lambda b: budgets.append((b, choose(b))) or budgets[-1][1]
+    budgets, choose = [], llm.policy.tree_budget
+    llm.policy.tree_budget = lambda b: budgets.append((b, choose(b))) or budgets[-1][1]
     return budgets
 
 
@@ -239,10 +239,10 @@ def test_cost_policy_budgets_dynamic_trees_from_costs_and_measured_acceptance(pa
     for name, costs in (("dear", (1.0, 5.0, 0.0, 0.0, 0.1)), ("cheap", (1.0, 1e-4, 0, 0, 1e-4))):
         spec = SpeculativeConfig("eagle3", **TREES["dynamic"], draft_costs=costs)
         llm = LLM(pair["target"], draft=pair["eagle3"], speculative_config=spec)
-        assert llm.tree_acceptance is not None
+        assert llm.policy.tree_acceptance is not None
         budgets = _recorded_budgets(llm)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-        assert budgets[0][1] is None and llm.tree_acceptance.accepted is not None  # full first
+        assert budgets[0][1] is None and llm.policy.tree_acceptance.accepted is not None  # full first
         chosen[name] = budgets[1:]
         assert llm.last_stats.acceptance_length > 1.2
     cut = [(b, n) for b, n in chosen["dear"] if n is not None]
@@ -255,9 +255,9 @@ def test_tree_step_costs_are_measured_per_bucket(pair, reference):
     llm = LLM(pair["target"], draft=pair["eagle3"],
               speculative_config=SpeculativeConfig("eagle3", **TREES["dynamic"]))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-    assert sorted(llm.step_costs) == [1, 2, 4]
-    assert all(c.draft_step > 0 and c.target_fixed > 0 for c in llm.step_costs.values())
+    assert sorted(llm.policy.step_costs) == [1, 2, 4]
+    assert all(c.draft_step > 0 and c.target_fixed > 0 for c in llm.policy.step_costs.values())
     for extra in (dict(max_draft_tokens_per_step=8), dict(draft_policy="fixed")):
         other = LLM(pair["target"], draft=pair["eagle3"],
                     speculative_config=SpeculativeConfig("eagle3", **TREES["dynamic"], **extra))
-        assert other.tree_acceptance is None
+        assert other.policy.tree_acceptance is None

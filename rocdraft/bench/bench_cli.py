@@ -31,13 +31,11 @@ instead of the single-system keys.
 from __future__ import annotations
 
 import json
-import os
-import statistics
 import sys
-import tempfile
 import time
 
 from rocdraft.bench.bench_peers import PROMPT_LOOKUP_TOKENS, HFPeer
+from rocdraft.bench.bench_report import build_row, check_plot_path, merge_stats, plot, print_table
 
 SYSTEM_LABELS = {"target_only": "rocdraft target-only",
                  "speculative": "rocdraft {method} chain k={k}",
@@ -122,11 +120,6 @@ def rotated(names: list, repeat_index: int) -> list:
     return names[shift:] + names[:shift]
 
 
-def spread(values: list[float]) -> dict:
-    return {"min": round(min(values), 2), "median": round(statistics.median(values), 2),
-            "max": round(max(values), 2)}
-
-
 def run_bench(args) -> int:
     import torch
 
@@ -167,7 +160,7 @@ def _check_args(args) -> list[int]:
             import matplotlib  # noqa: F401
         except ImportError:
             raise RocdraftError("--plot needs matplotlib: pip install 'rocdraft[plot]'") from None
-        _check_plot_path(args.plot)
+        check_plot_path(args.plot)
     parse_compare(args)
     return batch_sizes
 
@@ -236,20 +229,20 @@ def _run_bench(args) -> int:
     spec_llms = {}
     for name in spec_names:
         own = system_args(args, name) if compare else args
-        spec_llms[name], method = make_llm(own)
-        args.dtype = own.dtype  # make_llm fills the default in: the report shows it
+        # sync_timing: an exact time split on GPUs
+        spec_llms[name], method = make_llm(own, sync_timing=True)
         if method == "none":
             raise RocdraftError("rocdraft bench compares against speculative decoding; "
                                 "give --method eagle or eagle3 (or use the built-in pair)")
     spec_llm = spec_llms[spec_names[0]]
-    args_baseline = type(args)(**{**vars(args), "method": "none", "draft": None,
-                                  **dict.fromkeys(TREE_ARGS)})
-    if args.target is None:  # built-in pair: same target, no head
-        from rocdraft.builtin import builtin_paths
+    dtype = spec_llm.config.dtype  # the flag's value, or the device's default
+    from rocdraft.builtin import builtin_paths
 
-        args_baseline.target = builtin_paths().target
-    base_llm, _ = make_llm(args_baseline)
-    hf = HFPeer(base_llm.config.target, args.dtype, base_llm.device) if args.compare_hf \
+    base_llm, _ = make_llm(type(args)(**{
+        **vars(args), "method": "none", "draft": None, **dict.fromkeys(TREE_ARGS),
+        # the built-in pair: the same target, no head
+        "target": args.target if args.target is not None else builtin_paths().target}))
+    hf = HFPeer(base_llm.config.target, dtype, base_llm.device) if args.compare_hf \
         else None
     pool = _prompt_pool(args, spec_llm.tokenizer, max([args.num_prompts, *batch_sizes]))
     greedy = args.temperature == 0.0
@@ -285,8 +278,6 @@ def _run_bench(args) -> int:
     def names_for(batch_size: int) -> list[str]:
         return [n for n in systems if n != "hf_prompt_lookup" or batch_size == 1]
 
-    for llm in spec_llms.values():
-        llm.sync_timing = True  # exact time split on GPUs
     total = sum(len(names_for(b)) for b in batch_sizes) * args.repeat
     results, done = [], 0
     for batch_size in batch_sizes:
@@ -309,13 +300,13 @@ def _run_bench(args) -> int:
                 outputs[name] = outs
                 if name in spec_llms:
                     for s in stats:
-                        stats_sum[name] = _merge(stats_sum[name], s)
+                        stats_sum[name] = merge_stats(stats_sum[name], s)
                 done += 1
                 _progress(done, total, f"bs {batch_size} {name} run {r + 1}")
             if greedy:
                 for name in spec_names:
                     identical[name] &= outputs[name] == outputs["target_only"]
-        results.append(_row(batch_size, len(prompts), tps, stats_sum,
+        results.append(build_row(batch_size, len(prompts), tps, stats_sum,
                             identical if greedy else None,
                             outputs if greedy and hf is not None else None, compare is None,
                             {n: llm.config.speculative.tree_kind for n, llm in spec_llms.items()}))
@@ -329,7 +320,7 @@ def _run_bench(args) -> int:
               **({"trees": trees} if compare else {"tree": trees["speculative"]}),
               "draft_policy": spec_llm.config.speculative.draft_policy,
               "attention_backend": spec_llm.backend.name, "device": spec_llm.device,
-              "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
+              "dtype": dtype, "tensor_parallel_size": args.tensor_parallel_size,
               "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "repeat": args.repeat,
               "num_prompts": args.num_prompts, "threads": torch.get_num_threads(),
@@ -339,181 +330,11 @@ def _run_bench(args) -> int:
               "prompts": args.prompts_file or "held-out standard library modules (r-z)"}
     report = {"config": config, "results": results}
     if args.plot:
-        _plot(report, args.plot)
+        plot(report, args.plot)
     if args.json:
         print(json.dumps(report))
     else:
-        _print_table(report)
+        print_table(report)
     return 0
 
 
-def _row(batch_size: int, num_prompts: int, tps: dict, stats_sum: dict,
-         identical: dict | None, outputs: dict | None, single: bool, kinds: dict) -> dict:
-    """One batch size's figures. ``single`` (no --compare): the one speculative system's
-    figures also sit at the top level under the keys they always had."""
-    medians = {name: statistics.median(values) for name, values in tps.items()}
-    row = {"batch_size": batch_size, "num_prompts": num_prompts,
-           "baseline_tokens_per_s": round(medians["target_only"], 2),
-           "tokens_per_s": {name: spread(values) for name, values in tps.items()},
-           "systems": {name: _system_figures(medians[name] / medians["target_only"], stats,
-                                             None if identical is None else identical[name],
-                                             kinds[name])
-                       for name, stats in stats_sum.items()}}
-    if single:
-        spec = row["systems"]["speculative"]
-        row["spec_tokens_per_s"] = round(medians["speculative"], 2)
-        row.update(spec)
-    if "hf_generate" in medians:
-        row["vs_hf_generate"] = {name: round(m / medians["hf_generate"], 3)
-                                 for name, m in medians.items()}
-    if outputs is not None:
-        row["hf_generate_mismatches"] = sum(
-            a != b for a, b in zip(outputs["target_only"], outputs["hf_generate"]))
-        if "hf_prompt_lookup" in outputs:
-            row["hf_prompt_lookup_mismatches"] = sum(
-                a != b for a, b in zip(outputs["target_only"], outputs["hf_prompt_lookup"]))
-    return row
-
-
-def _system_figures(speedup: float, stats_sum: dict, identical: bool | None,
-                    tree_kind: str | None) -> dict:
-    """A speculative system's figures in a row: speedup vs target-only, acceptance length,
-    acceptance per chain position (per tree depth: also ``per_depth_acceptance``), drafts
-    verified per request-step, time split and (greedy) whether its outputs equal
-    target-only's."""
-    split = {k: round(v / max(sum(stats_sum["time_s"].values()), 1e-9), 4)
-             for k, v in stats_sum["time_s"].items()}
-    per_position = [round(a, 3) for a in stats_sum["per_position"]]
-    figures = {"speedup": round(speedup, 3), "tree_kind": tree_kind,
-               "acceptance_length": round(stats_sum["acceptance_length"], 3),
-               "per_position_acceptance": per_position,
-               "nodes_per_verify_step": round(stats_sum["nodes"] / max(stats_sum["steps"], 1), 3),
-               "time_split": split}
-    if tree_kind is not None:
-        figures["per_depth_acceptance"] = per_position
-        # The rest verified chains the tree-or-chain chooser drafted (draft_shape.py).
-        figures["tree_step_share"] = round(stats_sum["tree_steps"]
-                                           / max(stats_sum["steps"], 1), 3)
-    if identical is not None:
-        figures["greedy_outputs_identical"] = identical
-    return figures
-
-
-def _merge(acc, stats) -> dict:
-    """Accumulate acceptance counters and time over repeated runs."""
-    acc = acc or {"accepted": 0, "steps": 0, "nodes": 0, "tree_steps": 0, "acc_pos": None,
-                  "prop_pos": None, "time_s": {k: 0.0 for k in stats.time_s}}
-    acc["tree_steps"] += stats.num_tree_verify_steps
-    acc["accepted"] += stats.num_accepted_drafts
-    acc["nodes"] += stats.num_verified_nodes
-    acc["steps"] += stats.num_verify_steps
-    acc["acc_pos"] = [a + b for a, b in zip(acc["acc_pos"] or [0] * len(
-        stats.accepted_at_position), stats.accepted_at_position)]
-    acc["prop_pos"] = [a + b for a, b in zip(acc["prop_pos"] or [0] * len(
-        stats.proposed_at_position), stats.proposed_at_position)]
-    for key, value in stats.time_s.items():
-        acc["time_s"][key] += value
-    acc["acceptance_length"] = (acc["accepted"] + acc["steps"]) / max(acc["steps"], 1)
-    acc["per_position"] = [a / p if p else 0.0 for a, p in zip(acc["acc_pos"], acc["prop_pos"])]
-    return acc
-
-
-def _print_table(report: dict) -> None:
-    cfg = report["config"]
-    threads = f"{cfg['threads']} torch thread{'s' if cfg['threads'] != 1 else ''}"
-    spec_names = list(report["results"][0]["systems"]) if report["results"] else []
-    print(f"rocdraft bench: {'; '.join(cfg['systems'][n] for n in spec_names)} on "
-          f"{cfg['device']} ({cfg['attention_backend']}, {cfg['dtype']}), {threads}, "
-          f"{cfg['num_prompts']} prompts x {cfg['max_new_tokens']} new tokens, "
-          f"median [min-max] of {cfg['repeat']} repeats")
-    peer = cfg["compare_hf"]
-    width = max([34, *(len(label) for label in cfg["systems"].values())])
-    print(f"{'batch':>5}  {'system':<{width}} {'tok/s median [min-max]':>26} "
-          f"{'vs target-only':>15}" + (f" {'vs HF generate':>15}" if peer else ""))
-    for r in report["results"]:
-        base = r["tokens_per_s"]["target_only"]["median"]
-        for name, s in r["tokens_per_s"].items():
-            cell = f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
-            line = (f"{r['batch_size']:>5}  {cfg['systems'][name]:<{width}} {cell:>26} "
-                    f"{s['median'] / base:>14.2f}x")
-            if peer:
-                line += f" {r['vs_hf_generate'][name]:>14.2f}x"
-            print(line)
-        print(f"       {r['num_prompts']} prompts")
-        for name, f in r["systems"].items():
-            per = " ".join(f"{a:.2f}" for a in f["per_position_acceptance"])
-            where = "depth" if f["tree_kind"] else "position"
-            same = ""
-            if "greedy_outputs_identical" in f:
-                same = "; greedy == target-only: " + ("yes" if f["greedy_outputs_identical"]
-                                                      else "NO")
-            print(f"       {cfg['systems'][name]}: acceptance length "
-                  f"{f['acceptance_length']:.2f} (per {where} {per}), "
-                  f"{f['nodes_per_verify_step']:.1f} drafts verified per step"
-                  + (f" ({f['tree_step_share']:.0%} of them trees)" if f["tree_kind"] else "")
-                  + "; time split: "
-                  + ", ".join(f"{k} {v:.0%}" for k, v in f["time_split"].items()) + same)
-        if "hf_generate_mismatches" in r:
-            print(f"       greedy outputs: target-only vs HF generate: "
-                  f"{r['hf_generate_mismatches']} of {r['num_prompts']} prompts differ")
-
-
-def _plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results, labels = report["results"], report["config"]["systems"]
-    names = list(results[0]["systems"]) if results else []
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = ("-", "--", ":", "-.")  # acceptance: a system's colour, a batch size's style
-    for name in names:
-        (line,) = ax1.plot([r["batch_size"] for r in results],
-                           [r["systems"][name]["speedup"] for r in results], "o-",
-                           label=labels[name])
-        for i, r in enumerate(results):
-            per = r["systems"][name]["per_position_acceptance"]
-            ax2.plot(range(1, len(per) + 1), per, marker="o", color=line.get_color(),
-                     linestyle=styles[i % len(styles)],
-                     label=f"{labels[name]}, bs {r['batch_size']}")
-    ax1.axhline(1.0, color="gray", linestyle="--", label=labels["target_only"])
-    ax1.set(xlabel="batch size", ylabel="speedup (tok/s vs target-only)",
-            title="Speedup vs batch size", xticks=[r["batch_size"] for r in results])
-    ax1.legend(fontsize="small")
-    ax2.set(xlabel="draft position (chain) or depth (tree)", ylabel="acceptance rate",
-            ylim=(0, 1.05), title="Acceptance per position / depth")
-    ax2.legend(fontsize="small")
-    fig.tight_layout()
-    _save_atomically(fig, path)
-
-
-def _check_plot_path(path: str) -> None:
-    """Refuse, before anything runs, a --plot whose folder or format cannot be written."""
-    from matplotlib.figure import Figure
-
-    from rocdraft.errors import RocdraftError
-
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise RocdraftError(f"--plot {path!r}: folder {directory!r} does not exist")
-    fmt = os.path.splitext(path)[1][1:].lower()
-    formats = Figure().canvas.get_supported_filetypes()
-    if fmt and fmt not in formats:
-        raise RocdraftError(f"--plot {path!r}: unknown image format {fmt!r}; valid: "
-                            f"{', '.join(sorted(formats))}")
-
-
-def _save_atomically(fig, path: str) -> None:
-    """Write the figure beside ``path`` and rename it there: an interrupt (or a failure) leaves
-    either the old file or the new one, never a half-written one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fmt = os.path.splitext(path)[1][1:].lower() or None
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".rocdraft-plot-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format=fmt)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -101,7 +101,7 @@ def _run(op: int, fields: list[int], ints, hidden, state: WorkerState) -> None:
     if op == msg.TARGET_LOGITS:
         state.target.compute_logits(hidden)
     elif op == msg.TARGET_COMPACT:
-        from rocdraft.backends.kv_compact import compact_kv_layers
+        from rocdraft.backends.kv_compact_dispatch import compact_kv_layers
 
         compact_kv_layers(state.kv_caches, *msg.decode_compact(fields, ints),
                           state.kv_caches[0].block_size)

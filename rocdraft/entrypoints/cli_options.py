@@ -162,13 +162,23 @@ def parallel_kwargs(args) -> dict:
     return {"tensor_parallel_size": size, "distributed_backend": backend}
 
 
-def make_llm(args):
-    """(LLM, method) from the shared model flags (built-in pair by default)."""
-    from rocdraft.engine import LLM
+def make_engine_args(args, **extra):
+    """(EngineArgs, method) from the shared model flags (built-in pair by default) and
+    ``extra`` EngineArgs fields: every value checked before anything loads, with the same
+    messages as ``LLM(...)``."""
+    from rocdraft.engine.args import EngineArgs
 
     kwargs = make_llm_kwargs(args)
     method = kwargs.pop("method")
-    return LLM(**kwargs), method
+    return EngineArgs(**kwargs, **extra), method
+
+
+def make_llm(args, **extra):
+    """(LLM, method) from the shared model flags (``make_engine_args``)."""
+    from rocdraft.engine import LLM
+
+    engine_args, method = make_engine_args(args, **extra)
+    return LLM.from_engine_args(engine_args), method
 
 
 def _head_method(draft: str) -> str:
@@ -212,9 +222,8 @@ def make_engine(args):
     """(LLMEngine, method): the incremental serving engine from the same flags as ``make_llm``."""
     from rocdraft.engine import LLMEngine
 
-    kwargs = make_llm_kwargs(args)
-    method = kwargs.pop("method")
-    return LLMEngine(**kwargs), method
+    engine_args, method = make_engine_args(args)
+    return LLMEngine.from_engine_args(engine_args), method
 
 
 # --- token trees (issue 13): static --speculative-token-tree, dynamic --tree-* -------------

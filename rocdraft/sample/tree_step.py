@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from rocdraft.backends.kv_compact import compact_kv_layers
+from rocdraft.backends.kv_compact_dispatch import compact_kv_layers
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.drafter.tree_index import accepted_first_order
 from rocdraft.sample.sampler import SamplingTensors

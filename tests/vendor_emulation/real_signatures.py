@@ -14,7 +14,7 @@ Read (with ``ast``, not by importing) from the packages on the package index:
   flash_attn_with_kvcache.
 
 Each entry: the parameters in order as ``(name, repr of the default)``; ``REQUIRED`` marks a
-parameter without a default. tests/test_aiter_fa.py and tests/test_flash_attn.py compare these
+parameter without a default. tests/test_vendor_signatures.py compares these
 with ``inspect.signature`` of the emulation (and of the real package where it imports).
 """
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""LLM engine (target only): equality with transformers, continuous batching, chunked
-prefill, preemption under KV pressure, seeded sampling, and bad requests failing alone."""
+"""LLMEngine and LLM (rocdraft/engine/llm_engine.py, llm.py): equality with transformers,
+continuous batching, chunked prefill, preemption under KV pressure, seeded sampling, bad
+requests failing alone, the step API, and the draft policy seen through the engine."""
 from __future__ import annotations
 
 import pytest
@@ -240,7 +241,7 @@ def test_draft_policy_keeps_greedy_outputs_identical_to_target_only(cyclic_pair,
     elif drafts_verified == "none":
         assert llm.last_stats.num_verify_steps == 0
     else:
-        assert sorted(llm.step_costs) == [1, 2, 4]  # buckets up to the 4 prompts
+        assert sorted(llm.policy.step_costs) == [1, 2, 4]  # buckets up to the 4 prompts
 
 
 def test_step_costs_are_measured_once_per_engine(cyclic_pair):
@@ -249,20 +250,20 @@ def test_step_costs_are_measured_once_per_engine(cyclic_pair):
     target, head, reference = cyclic_pair
     llm = LLM(target, draft=head, speculative_config=SpeculativeConfig("eagle3", 2))
     llm.generate(SPEC_PROMPTS[:2], SPEC_GREEDY)
-    first = dict(llm.step_costs)
+    first = dict(llm.policy.step_costs)
     assert sorted(first) == [1, 2] and all(c.target_fixed + c.target_per_token > 0
                                            for c in first.values())
     assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
-    assert sorted(llm.step_costs) == [1, 2, 4]  # the larger batch's bucket is added...
-    assert all(llm.step_costs[b] is first[b] for b in first)  # ...the others kept
-    again = dict(llm.step_costs)
+    assert sorted(llm.policy.step_costs) == [1, 2, 4]  # the larger batch's bucket is added...
+    assert all(llm.policy.step_costs[b] is first[b] for b in first)  # ...the others kept
+    again = dict(llm.policy.step_costs)
     llm.generate(SPEC_PROMPTS, SPEC_GREEDY)
-    assert llm.step_costs == again
+    assert llm.policy.step_costs == again
     # The "fixed" policy and given costs never measure.
     fixed = LLM(target, draft=head,
                 speculative_config=SpeculativeConfig("eagle3", 2, draft_policy="fixed"))
     assert [o.token_ids for o in fixed.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
-    assert fixed.step_costs == {}
+    assert fixed.policy.step_costs == {}
 
 
 def test_measure_step_costs_up_front_covers_every_bucket(cyclic_pair):
@@ -272,10 +273,10 @@ def test_measure_step_costs_up_front_covers_every_bucket(cyclic_pair):
     llm = LLM(target, draft=head, speculative_config=SpeculativeConfig("eagle3", 2),
               max_num_seqs=5)
     llm.measure_step_costs()
-    assert sorted(llm.step_costs) == [1, 2, 4, 8]  # 8: the bucket of 5
-    measured = dict(llm.step_costs)
+    assert sorted(llm.policy.step_costs) == [1, 2, 4, 8]  # 8: the bucket of 5
+    measured = dict(llm.policy.step_costs)
     assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
-    assert llm.step_costs == measured
+    assert llm.policy.step_costs == measured
     # No cost policy, given costs or no head: nothing to measure.
     for other in (LLM(target, draft=head, speculative_config=SpeculativeConfig(
                       "eagle3", 2, draft_costs=(1.0, 0.1, 0.0, 0.0, 0.1))), LLM(target)):
@@ -318,7 +319,7 @@ def test_cost_measurement_fits_small_engine_limits(cyclic_pair):
     llm = LLM(target, draft=head, speculative_config=SpeculativeConfig("eagle3", 4),
               max_num_seqs=3, max_num_batched_tokens=8)
     assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
-    assert sorted(llm.step_costs) == [1, 2, 4]
+    assert sorted(llm.policy.step_costs) == [1, 2, 4]
 
 
 # --- the step API (LLMEngine): requests joining and leaving between steps ---------------
@@ -439,31 +440,3 @@ def test_generate_refuses_to_mix_with_requests_in_flight(accepting_pair):
         llm.step()
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3))[0].token_ids) == 3
     assert llm.stats.generated_tokens >= 3 + 2  # engine-wide counters include both
-
-
-# --- tree configs: refused before any weight loads ----------------------------------------
-
-TREE_CONFIGS = [SpeculativeConfig(speculative_token_tree="[(0,), (1,), (0, 0)]"),
-                SpeculativeConfig(tree_depth=3, tree_top_k=2, tree_total_tokens=6)]
-
-
-@pytest.mark.parametrize("spec", TREE_CONFIGS, ids=["static", "dynamic"])
-@pytest.mark.parametrize("limit", ["max_num_batched_tokens", "max_model_len"])
-def test_tree_larger_than_the_verification_buffers_is_refused_before_weights_load(
-        tmp_path, spec, limit):
-    missing = str(tmp_path / "no_such_checkpoint")  # loading anything would fail differently
-    size = spec.draft_tree().num_nodes  # one token short of root + nodes
-    with pytest.raises(RocdraftError) as exc:
-        LLM(missing, draft=missing, speculative_config=spec, **{limit: size})
-    message = str(exc.value)
-    assert f"{spec.tree_kind} tree verifies {size + 1} tokens" in message
-    assert f"{limit} {size}" in message and "\n" not in message
-
-
-@pytest.mark.parametrize("role", ["attention_backend", "draft_attention_backend"])
-def test_tree_config_with_a_backend_lacking_tree_masks(tmp_path, role):
-    missing = str(tmp_path / "no_such_checkpoint")
-    with pytest.raises(RocdraftError) as exc:
-        LLM(missing, draft=missing, speculative_config=TREE_CONFIGS[0], **{role: "FLASH_ATTN"})
-    message = str(exc.value)
-    assert "FLASH_ATTN does not support tree_drafting" in message and "TORCH_SDPA" in message

@@ -1,4 +1,5 @@
-"""The draft-count policy: pure choices from given costs and rates."""
+"""The draft-count cost model (rocdraft/spec_decode/cost_model.py): pure choices from given
+costs and rates."""
 import pytest
 
 from rocdraft.spec_decode.cost_model import (PRIOR_WEIGHT, AcceptanceTracker, StepCosts, batch_bucket,

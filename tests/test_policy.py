@@ -1,0 +1,133 @@
+"""DraftPolicy (rocdraft/spec_decode/policy.py): which estimates exist for which config, the
+questions the engine asks (num_drafts, shape, tree budget, costs to measure), and what one
+``observe(StepRecord)`` feeds where. Pure: no model, no runner."""
+from __future__ import annotations
+
+import pytest
+
+from rocdraft.config import SpeculativeConfig
+from rocdraft.spec_decode.cost_model import EXPLORE_EVERY, StepCosts
+from rocdraft.spec_decode.draft_shape import MIN_TIME_SAMPLES
+from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
+
+STATIC = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"  # depth 3, ranks 0 1 0 1 0 0
+DYNAMIC = dict(tree_depth=3, tree_top_k=2, tree_total_tokens=6)
+CHEAP = (1.0, 0.0, 0.0, 0.0, 0.0)  # verification and drafts free: always the most drafts
+
+
+def policy(**spec) -> DraftPolicy:
+    config = SpeculativeConfig("eagle3", **{"num_speculative_tokens": 4, **spec})
+    return DraftPolicy(config, config.draft_tree())
+
+
+def record(**fields) -> StepRecord:
+    base = dict(batch_size=1, has_prefill=False, seconds=0.01, produced=3, any_verified=True,
+                drafted=True, shape=None, verified_tree=False, samples=[True])
+    return StepRecord(**{**base, **fields})
+
+
+@pytest.mark.parametrize("spec, guard, tree_acceptance, chooser", [
+    (dict(), True, False, False),  # chains, cost policy, measured costs: the guard vetoes
+    (dict(draft_costs=CHEAP), False, False, False),
+    (dict(draft_policy="fixed"), False, False, False),
+    (dict(speculative_token_tree=STATIC), False, False, True),
+    (dict(**DYNAMIC), False, True, True),
+    (dict(**DYNAMIC, max_draft_tokens_per_step=8), False, False, True),
+    (dict(**DYNAMIC, draft_costs=CHEAP), False, True, False),
+])
+def test_which_estimates_exist_follows_from_the_config(spec, guard, tree_acceptance, chooser):
+    p = policy(**spec)
+    assert (p.throughput_guard is not None, p.tree_acceptance is not None,
+            p.shape_chooser is not None) == (guard, tree_acceptance, chooser)
+    assert p.wants_tree_paths == (tree_acceptance or chooser)
+    assert p.wants_tree_scores == tree_acceptance
+
+
+def test_num_drafts_is_the_cap_until_costs_are_known_then_the_cost_choice():
+    p = policy()
+    assert p.num_drafts(1) == 4  # nothing measured: the cap
+    assert p.costs_to_measure(4) == [(True, 1), (True, 2), (True, 4)]
+    for chain, bucket in p.costs_to_measure(4):
+        # every extra token costs a whole step: plain decoding is faster
+        p.add_costs(chain, bucket, StepCosts(1e-3, 1.0, 0.0, 1.0, 1.0))
+    assert p.costs_to_measure(4) == [] and p.costs_to_measure(8) == [(True, 8)]
+    assert p.num_drafts(3) == 0
+    capped = policy(max_draft_tokens_per_step=6, draft_policy="fixed")
+    assert [capped.num_drafts(b) for b in (1, 2, 3, 4, 8)] == [4, 3, 2, 1, 0]
+    assert policy(speculative_token_tree=STATIC).num_drafts(5) == 6  # a tree: its nodes
+
+
+def test_given_costs_and_fixed_policy_measure_nothing():
+    assert policy(draft_costs=CHEAP).costs_to_measure(64) == []
+    assert policy(draft_policy="fixed").costs_to_measure(64) == []
+    assert policy(draft_costs=CHEAP).num_drafts(2) == 4
+
+
+def test_a_tree_config_measures_its_chains_and_a_dynamic_tree_its_own_steps():
+    static = policy(speculative_token_tree=STATIC)
+    assert static.costs_to_measure(2) == [(True, 1), (True, 2)]
+    dynamic = policy(**DYNAMIC)
+    assert dynamic.costs_to_measure(2) == [(False, 1), (False, 2), (True, 1), (True, 2)]
+    dynamic.add_costs(False, 1, StepCosts(1.0, 0.0, 0.0, 0.0, 0.0))
+    dynamic.add_costs(True, 1, StepCosts(2.0, 0.0, 0.0, 0.0, 0.0))
+    assert dynamic.step_costs[1].target_fixed == 1.0
+    assert dynamic.chain_step_costs[1].target_fixed == 2.0
+
+
+def test_tree_budget_is_the_configured_one_or_the_full_tree_before_acceptance_is_seen():
+    assert policy(**DYNAMIC, max_draft_tokens_per_step=8).tree_budget(2) == 8
+    assert policy(speculative_token_tree=STATIC).tree_budget(2) is None
+    dynamic = policy(**DYNAMIC, draft_costs=CHEAP)
+    assert dynamic.tree_budget(2) is None  # no full tree verified yet
+
+
+def test_observe_feeds_the_chain_acceptance_and_the_guard():
+    p = policy()
+    before = list(p.acceptance.rates)
+    p.observe(record(chain_verified=[4], chain_accepted=[4], produced=5))
+    assert all(after > b for after, b in zip(p.acceptance.rates, before))
+    p.observe(record(batch_size=2, any_verified=False, drafted=False, produced=2,
+                     samples=[True, True]))
+    buckets = p.throughput_guard.buckets
+    assert buckets[1].rates == pytest.approx({"spec": 500.0})  # 5 tokens in 10 ms
+    assert buckets[2].rates == pytest.approx({"plain": 200.0})
+    p.observe(record(has_prefill=True, produced=100))  # not a pure step: no sample
+    assert p.throughput_guard.buckets[1].rates["spec"] == pytest.approx(500.0)
+
+
+def test_observe_on_a_tree_step_feeds_the_chooser_with_the_chains_tokens_on_the_same_step():
+    p = policy(speculative_token_tree=STATIC)
+    parents = [-1, -1, 0, 0, 1, 2]  # the static tree's BFS parents
+    # Path 0 -> 2 -> 5: all rank-0 nodes, the chain (min(k, depth) = 3 drafts) would have
+    # accepted the same 3 tokens; the tree produced 4.
+    tree_step = dict(shape="tree", verified_tree=True, tree_parents=[parents],
+                     tree_paths=[[0, 2, 5]], produced=4)
+    p.observe(record(**tree_step))  # the first tree step: no previous shape, no sample
+    assert not p.shape_chooser.buckets
+    p.observe(record(**tree_step))
+    bucket = p.shape_chooser.buckets[1]
+    assert list(bucket.tokens) == [(4, 4.0)] and len(bucket.times["tree"]) == 1
+    # The chain's acceptance estimate learnt from both tree steps (3 of 3 accepted).
+    assert p.acceptance.accepted[:3] == pytest.approx([1.95, 1.95, 1.95])
+    for _ in range(MIN_TIME_SAMPLES - 1):
+        p.observe(record(**tree_step))
+    for _ in range(MIN_TIME_SAMPLES + 1):  # the first chain step switches: no sample
+        p.observe(record(shape="chain", chain_verified=[3], chain_accepted=[3], produced=4,
+                         seconds=0.001))
+    assert p.shape_chooser.faster(1) == "chain"  # 4 tokens in a tenth of the time
+
+
+def test_a_tree_step_sample_needs_a_verified_tree_and_a_repeated_shape():
+    p = policy(speculative_token_tree=STATIC)
+    p.observe(record(shape="tree", verified_tree=False))
+    p.observe(record(shape="tree", verified_tree=False))  # only chains verified: no sample
+    p.observe(record(shape="chain", chain_verified=[3], chain_accepted=[1]))  # switch
+    assert not p.shape_chooser.buckets and p.drafted_shape == "chain"
+
+
+def test_exploration_counts_policy_steps_shared_by_chain_and_tree_choices():
+    p = policy(speculative_token_tree=STATIC)
+    for _ in range(EXPLORE_EVERY - 1):
+        p.chain_drafts_in_tree_mode(1)
+    assert p.policy_steps == EXPLORE_EVERY - 1
+    assert p.chain_drafts_in_tree_mode(1) == 3  # no costs: the chain cap min(k, depth)
