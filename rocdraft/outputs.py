@@ -81,6 +81,13 @@ class GenerationStats:
                          for phase, seconds in self.time_s.items()}
         return window
 
+    def add_step_times(self, **seconds: float) -> None:
+        """One step more, and its seconds per phase (target_verify, draft, sampler,
+        bookkeeping)."""
+        self.num_steps += 1
+        for phase, value in seconds.items():
+            self.time_s[phase] = self.time_s.get(phase, 0.0) + value
+
     def record_verification(self, num_drafts: int, num_accepted: int,
                             num_nodes: int | None = None) -> None:
         """One request-step: num_drafts positions it could accept (a chain's length, a

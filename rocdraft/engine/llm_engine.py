@@ -26,12 +26,11 @@ from rocdraft.drafter.tree_spec import draft_lookahead
 from rocdraft.engine.args import EngineArgs
 from rocdraft.engine.loading import load_draft_runner
 from rocdraft.engine.model_runner import ModelRunner
-from rocdraft.engine.request_updates import apply_step
+from rocdraft.engine.request_updates import apply_step, read_step, step_record
 from rocdraft.errors import RocdraftError
 from rocdraft.outputs import GenerationStats, RequestOutput
 from rocdraft.spec_decode.cost_model import batch_bucket
-from rocdraft.spec_decode.draft_runner import drafts_to_host
-from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
+from rocdraft.spec_decode.policy import DraftPolicy
 from rocdraft.spec_decode.step_costs import EngineParts, measure_step_costs
 
 log = logging.getLogger(__name__)
@@ -202,9 +201,11 @@ class LLMEngine:
 
     def _step(self, scheduler: Scheduler, stats: GenerationStats
               ) -> list[tuple[Request, list[int]]]:
-        """schedule -> target forward -> verify -> propose -> one host read -> request
-        updates -> policy.observe; -> (request, tokens appended) of every request that
-        sampled this step."""
+        """One step over ``scheduler``'s batch -> (request, tokens appended) of every request
+        that sampled:
+
+            schedule -> target forward -> verify (sampled [B, k+1]) -> propose next drafts
+            -> one host read -> request updates -> the policy observes the step"""
         runner, drafter, policy = self.model_runner, self.draft_runner, self.policy
         if drafter is not None and not scheduler.running:
             self._ensure_step_costs(scheduler)
@@ -222,34 +223,16 @@ class LLMEngine:
         if num_drafts or (drafter is not None and has_prefill):
             drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts)
         t4 = runner.clock()
-        sampled_cpu = sampled.tolist()  # the one device-to-host read of a step
-        drafts_cpu = drafts_to_host(drafts, policy is not None and policy.wants_tree_scores)
-        paths = verified_tree.accepted_nodes.tolist() \
-            if verified_tree is not None and policy.wants_tree_paths else None
-        # The verified trees' shapes, read before the requests take the next step's drafts.
-        parents = None if paths is None else \
-            [s.request.spec_parents[:s.num_draft_tokens] for s in scheduled]
-        results = apply_step(scheduler, scheduled, batch, sampled_cpu, drafts_cpu, stats,
-                             self.max_model_len, num_drafts, paths)
+        host = read_step(sampled, drafts, verified_tree, scheduled, policy)
+        results = apply_step(scheduler, scheduled, batch, host.sampled, host.drafts, stats,
+                             self.max_model_len, num_drafts, host.tree_paths)
         t5 = runner.clock()
         if policy is not None:
-            policy.observe(StepRecord(
-                batch_size=len(scheduled), has_prefill=has_prefill, seconds=t5 - t0,
-                # Tokens counted before a stop or max_tokens cut them short (a request's
-                # last step would otherwise make its mode look slow).
-                produced=sum(sum(t >= 0 for t in row)
-                             for row, samples in zip(sampled_cpu, batch.samples) if samples),
-                any_verified=any(s.num_draft_tokens for s in scheduled),
-                drafted=drafts is not None and num_drafts > 0, shape=shape,
-                verified_tree=verified_tree is not None, samples=batch.samples,
-                chain_verified=results.chain_verified, chain_accepted=results.chain_accepted,
-                tree_rows=results.tree_rows,
-                tree_parents=parents, tree_paths=paths))
-        stats.num_steps += 1
-        stats.time_s["bookkeeping"] += (t1 - t0) + (t5 - t4)
-        stats.time_s["target_verify"] += t2 - t1
-        stats.time_s["sampler"] += t3 - t2
-        stats.time_s["draft"] += t4 - t3
+            policy.observe(step_record(scheduled, batch, host, results, has_prefill, t5 - t0,
+                                       drafted=drafts is not None and num_drafts > 0,
+                                       shape=shape))
+        stats.add_step_times(bookkeeping=(t1 - t0) + (t5 - t4), target_verify=t2 - t1,
+                             sampler=t3 - t2, draft=t4 - t3)
         return results.advanced
 
     def _propose(self, batch, sampled, out, verified_tree, num_drafts: int):

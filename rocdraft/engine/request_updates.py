@@ -1,15 +1,47 @@
-"""The host side of a step's end: each request's sampled tokens appended (EOS, stop tokens and
-max_tokens decided there), the scheduler advanced, the next step's drafts stored on the
-requests, and the statistics counted; what the draft policy learns is returned, not fed."""
+"""The host side of a step's end: the one read of the step's device results (``read_step``),
+each request's sampled tokens appended (EOS, stop tokens and max_tokens decided there), the
+scheduler advanced, the next step's drafts stored on the requests, the statistics counted
+(``apply_step``), and what the draft policy learns from the step (``step_record``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from rocdraft.core.request import Request
 from rocdraft.core.scheduler import Scheduler, ScheduledRequest
 from rocdraft.core.step_batch import StepBatch
 from rocdraft.drafter.tree_index import host_depths
 from rocdraft.outputs import GenerationStats
+from rocdraft.sample.tree_sampler import TreeVerifyResult
+from rocdraft.spec_decode.draft_runner import drafts_to_host
+from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """A step's results on the host: sampled [B][k+1] (-1 = rejected), the next drafts per
+    request (``drafts_to_host``) or None, and for a verified tree whose paths the policy
+    reads, the accepted node per depth and the verified trees' parents (read before the
+    requests take the next drafts; [] for a request that verified a chain), else None."""
+
+    sampled: list[list[int]]
+    drafts: list | None
+    tree_paths: list[list[int]] | None
+    tree_parents: list[list[int]] | None
+
+
+def read_step(sampled: torch.Tensor, drafts, verified_tree: TreeVerifyResult | None,
+              scheduled: list[ScheduledRequest], policy: DraftPolicy | None) -> HostStep:
+    """The step's device results on the host: ``sampled.tolist()`` is the one read a step
+    needs (the drafts and, where the policy asks, the tree paths follow it)."""
+    sampled_cpu = sampled.tolist()
+    drafts_cpu = drafts_to_host(drafts, policy is not None and policy.wants_tree_scores)
+    paths = verified_tree.accepted_nodes.tolist() \
+        if verified_tree is not None and policy.wants_tree_paths else None
+    parents = None if paths is None else \
+        [s.request.spec_parents[:s.num_draft_tokens] for s in scheduled]
+    return HostStep(sampled_cpu, drafts_cpu, paths, parents)
 
 
 @dataclass
@@ -71,3 +103,20 @@ def apply_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], batch: S
             else:  # a chain (also one drafted in tree mode: verified as a chain)
                 req.spec_token_ids = drafts_cpu[row][:room]
     return results
+
+
+def step_record(scheduled: list[ScheduledRequest], batch: StepBatch, host: HostStep,
+                results: StepResults, has_prefill: bool, seconds: float, drafted: bool,
+                shape: str | None) -> StepRecord:
+    """What the policy learns from one step (rocdraft/spec_decode/policy.py)."""
+    return StepRecord(
+        batch_size=len(scheduled), has_prefill=has_prefill, seconds=seconds,
+        # Tokens counted before a stop or max_tokens cut them short (a request's last step
+        # would otherwise make its mode look slow).
+        produced=sum(sum(t >= 0 for t in row)
+                     for row, samples in zip(host.sampled, batch.samples) if samples),
+        any_verified=any(s.num_draft_tokens for s in scheduled), drafted=drafted,
+        shape=shape, verified_tree=batch.draft_parents is not None,
+        samples=batch.samples, chain_verified=results.chain_verified,
+        chain_accepted=results.chain_accepted, tree_rows=results.tree_rows,
+        tree_parents=host.tree_parents, tree_paths=host.tree_paths)
