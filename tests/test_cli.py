@@ -745,8 +745,11 @@ def test_seed_gives_each_prompt_its_own_stream(capsys, ckpt):
 
 # Runs ``python -m rocdraft.entrypoints.cli`` (through runpy, as -m does) after wrapping LLM._step so that
 # the first step announces itself on stderr: the test interrupts a run that is generating.
+# The child restores Python's SIGINT handler first: a pytest started with SIGINT ignored (a
+# background job) would otherwise hand the ignore down and the child would never see Ctrl-C.
 _ANNOUNCING_CHILD = """
-import runpy, sys
+import runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import rocdraft.engine
 step = rocdraft.engine.LLM._step
 def announced(self, *args, **kwargs):

@@ -219,12 +219,18 @@ def test_ctrl_c_mid_generate_leaves_no_worker(pair):
     """SIGINT reaches rank 0 mid-generation: KeyboardInterrupt propagates; inside a
     tensor-parallel call the ranks are out of step and the workers are killed at once,
     between calls they stay in step and close() stops them; either way none is left."""
-    llm = _llm(pair["target"], tensor_parallel_size=2)
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate([[1, 2, 3]] * 4, long)
-    llm.close()
+    # Python's own SIGINT handler, set explicitly: a pytest started with SIGINT ignored (a
+    # background job) would otherwise never raise KeyboardInterrupt here.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        llm = _llm(pair["target"], tensor_parallel_size=2)
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[1, 2, 3]] * 4, long)
+        llm.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert_no_children()
 
 

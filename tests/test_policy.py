@@ -26,8 +26,8 @@ def record(**fields) -> StepRecord:
     return StepRecord(**{**base, **fields})
 
 
-@pytest.mark.parametrize("spec, guard, tree_acceptance, chooser", [
-    (dict(), True, False, False),  # chains, cost policy, measured costs: the guard vetoes
+@pytest.mark.parametrize("spec, realized, tree_acceptance, chooser", [
+    (dict(), True, False, False),  # chains, cost policy, measured costs: realized step times
     (dict(draft_costs=CHEAP), False, False, False),
     (dict(draft_policy="fixed"), False, False, False),
     (dict(speculative_token_tree=STATIC), False, False, True),
@@ -35,10 +35,14 @@ def record(**fields) -> StepRecord:
     (dict(**DYNAMIC, max_draft_tokens_per_step=8), False, False, True),
     (dict(**DYNAMIC, draft_costs=CHEAP), False, True, False),
 ])
-def test_which_estimates_exist_follows_from_the_config(spec, guard, tree_acceptance, chooser):
+def test_which_estimates_exist_follows_from_the_config(spec, realized, tree_acceptance,
+                                                       chooser):
     p = policy(**spec)
-    assert (p.throughput_guard is not None, p.tree_acceptance is not None,
-            p.shape_chooser is not None) == (guard, tree_acceptance, chooser)
+    assert (p.realized_times is not None, p.tree_acceptance is not None,
+            p.shape_chooser is not None) == (realized, tree_acceptance, chooser)
+    # the cost policy's chains keep the head's cache complete on steps that draft nothing
+    assert p.keeps_head_cache == (not spec.get("draft_policy") and "tree_depth" not in spec
+                                  and "speculative_token_tree" not in spec)
     assert p.wants_tree_paths == (tree_acceptance or chooser)
     assert p.wants_tree_scores == tree_acceptance
 
@@ -81,18 +85,26 @@ def test_tree_budget_is_the_configured_one_or_the_full_tree_before_acceptance_is
     assert dynamic.tree_budget(2) is None  # no full tree verified yet
 
 
-def test_observe_feeds_the_chain_acceptance_and_the_guard():
+def test_observe_feeds_the_chain_acceptance_and_the_realized_step_times():
     p = policy()
     before = list(p.acceptance.rates)
-    p.observe(record(chain_verified=[4], chain_accepted=[4], produced=5))
+    p.observe(record(chain_verified=[4], chain_accepted=[4], produced=5, num_drafts=4,
+                     draft_seconds=0.004))
     assert all(after > b for after, b in zip(p.acceptance.rates, before))
     p.observe(record(batch_size=2, any_verified=False, drafted=False, produced=2,
-                     samples=[True, True]))
-    buckets = p.throughput_guard.buckets
-    assert buckets[1].rates == pytest.approx({"spec": 500.0})  # 5 tokens in 10 ms
-    assert buckets[2].rates == pytest.approx({"plain": 200.0})
-    p.observe(record(has_prefill=True, produced=100))  # not a pure step: no sample
-    assert p.throughput_guard.buckets[1].rates["spec"] == pytest.approx(500.0)
+                     samples=[True, True], draft_seconds=0.001))
+    buckets = p.realized_times.buckets
+    # verify part keyed by drafts verified per request, draft part by drafts made
+    assert {v: list(s) for v, s in buckets[1].verify.items()} == {4: [pytest.approx(0.006)]}
+    assert {d: list(s) for d, s in buckets[1].draft.items()} == {4: [0.004]}
+    assert {v: list(s) for v, s in buckets[2].verify.items()} == {0: [pytest.approx(0.009)]}
+    assert {d: list(s) for d, s in buckets[2].draft.items()} == {0: [0.001]}
+    p.observe(record(has_prefill=True, produced=100, num_drafts=4, draft_seconds=0.5))
+    assert list(buckets[1].draft[4]) == [0.004]  # a prompt in the step: no sample
+    # requests that verified different counts: a draft sample only
+    p.observe(record(batch_size=2, samples=[True, True], chain_verified=[4, 2],
+                     chain_accepted=[1, 1], num_drafts=4, draft_seconds=0.003))
+    assert list(buckets[2].verify) == [0] and list(buckets[2].draft[4]) == [0.003]
 
 
 def test_observe_on_a_tree_step_feeds_the_chooser_with_the_chains_tokens_on_the_same_step():

@@ -106,16 +106,19 @@ def apply_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], batch: S
 
 
 def step_record(scheduled: list[ScheduledRequest], batch: StepBatch, host: HostStep,
-                results: StepResults, has_prefill: bool, seconds: float, drafted: bool,
-                shape: str | None) -> StepRecord:
-    """What the policy learns from one step (rocdraft/spec_decode/policy.py)."""
+                results: StepResults, has_prefill: bool, seconds: float, num_drafts: int,
+                draft_seconds: float, shape: str | None) -> StepRecord:
+    """What the policy learns from one step (rocdraft/spec_decode/policy.py): ``num_drafts``
+    per request the step made (0: none, also when the head ran only to keep its cache),
+    ``draft_seconds`` of ``seconds`` spent drafting."""
     return StepRecord(
         batch_size=len(scheduled), has_prefill=has_prefill, seconds=seconds,
         # Tokens counted before a stop or max_tokens cut them short (a request's last step
         # would otherwise make its mode look slow).
         produced=sum(sum(t >= 0 for t in row)
                      for row, samples in zip(host.sampled, batch.samples) if samples),
-        any_verified=any(s.num_draft_tokens for s in scheduled), drafted=drafted,
+        any_verified=any(s.num_draft_tokens for s in scheduled), drafted=num_drafts > 0,
+        num_drafts=num_drafts, draft_seconds=draft_seconds,
         shape=shape, verified_tree=batch.draft_parents is not None,
         samples=batch.samples, chain_verified=results.chain_verified,
         chain_accepted=results.chain_accepted, tree_rows=results.tree_rows,

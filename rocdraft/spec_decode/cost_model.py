@@ -34,9 +34,11 @@ timing noise, so the chosen d may differ between runs on one machine; greedy out
 (every verified token is the target's own), only the speed does. ``SpeculativeConfig
 (draft_costs=...)`` fixes the costs (tests, reproducible benchmarks).
 
-Skipping the drafter (d = 0) leaves the head's KV cache without those tokens: drafts made
-after such a step attend to zeros there. That costs acceptance, never correctness; the
-rates below then fall and the policy keeps the drafter off if it no longer pays.
+A chain config's cost policy decides on realized step times instead, these costs its prior
+(rocdraft/spec_decode/realized_times.py); ``choose_num_drafts`` still picks the chains a
+tree config drafts. Under the cost policy a d = 0 step still runs the head's first forward
+(its drafts dropped): skipping it left the head's KV cache without those tokens, drafts made
+after it attended to zeros there, acceptance fell and kept the policy at d = 0.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 # Weight of the newest step in the running acceptance estimate (per-step decay 1 - RATE_DECAY),
 # and the prior's weight, in observed drafts, that unobserved positions drift back to.
 RATE_DECAY = 0.05
-PRIOR_WEIGHT = 4.0
+PRIOR_WEIGHT = 1.0  # (4 kept a useless head's rate near 0.12: d = 1 looked worth it)
 SPECULATION_MARGIN = 1.05
 EXPLORE_EVERY = 16
 

@@ -4,9 +4,10 @@ the estimates those decisions read.
 The engine asks, before it drafts:
 - ``num_drafts(batch_size)``: drafts per request a chain config makes now (the cap
   ``drafts_per_request``, or under ``draft_policy="cost"`` the count maximising expected
-  tokens per second, rocdraft/spec_decode/cost_model.py, vetoed where realized throughput
-  says plain decoding is faster, rocdraft/spec_decode/throughput_guard.py); a tree config
-  answers its node count (the tree's own shape decides);
+  tokens per second on the step times the engine realized, start-up costs only their prior,
+  with a probe of another count every 64th step, rocdraft/spec_decode/realized_times.py;
+  with given ``draft_costs`` on those costs alone); a tree config answers its node count
+  (the tree's own shape decides);
 - ``shape(batch_size)``: "tree" or "chain" for a tree config (rocdraft/spec_decode/
   draft_shape.py), and ``chain_drafts_in_tree_mode(batch_size)`` when it is "chain";
 - ``tree_budget(batch_size)``: the batch node budget of the trees drafted now (the
@@ -20,7 +21,8 @@ step's time and tokens. The policy never calls a runner; it holds numbers, not m
 
 State:  acceptance (AcceptanceTracker, per chain position), step costs per batch bucket for
 the chain config or the dynamic tree (``step_costs``) and for a tree config's chains
-(``chain_step_costs``), the throughput guard, the tree acceptance estimate, the shape
+(``chain_step_costs``), the realized step times of a chain config, the tree acceptance
+estimate, the shape
 chooser and the shape drafted last step. Which of them exist follows from the config alone
 (the constructor's comments say when).
 """
@@ -33,7 +35,7 @@ from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
 from rocdraft.spec_decode.cost_model import (EXPLORE_EVERY, AcceptanceTracker, StepCosts,
                                              batch_bucket, choose_num_drafts)
 from rocdraft.spec_decode.draft_shape import DraftShapeChooser, chain_on_tree_step
-from rocdraft.spec_decode.throughput_guard import ThroughputGuard
+from rocdraft.spec_decode.realized_times import RealizedStepTimes, prior_times
 from rocdraft.spec_decode.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
 
 
@@ -57,6 +59,8 @@ class StepRecord:
     drafted: bool  # the drafter ran and drafted (num_drafts > 0)
     shape: str | None  # a tree config: what it drafted ("tree" | "chain"); else None
     verified_tree: bool  # this step verified a tree (not only chains)
+    num_drafts: int = 0  # drafts per request the step made (a chain config; 0: none)
+    draft_seconds: float = 0.0  # of ``seconds``: the drafter's part (0: it did not run)
     samples: list[bool] = field(default_factory=list)
     chain_verified: list[int] = field(default_factory=list)
     chain_accepted: list[int] = field(default_factory=list)
@@ -74,10 +78,13 @@ class DraftPolicy:
         self.chain_step_costs: dict[int, StepCosts] = {}  # a tree config's chains, per bucket
         self.given_step_costs = StepCosts(*spec.draft_costs) if spec.draft_costs else None
         self.policy_steps = 0  # steps the cost policy chose for (drives its exploration)
-        # Chains under the cost policy with measured costs: speculation is vetoed where it is
-        # measured slower than plain decoding.
-        self.throughput_guard = ThroughputGuard() \
+        # Chains under the cost policy with measured costs: the step times the engine
+        # realized per draft count (the measured costs their prior).
+        self.realized_times = RealizedStepTimes(spec.num_speculative_tokens) \
             if cost_policy and spec.draft_costs is None and tree is None else None
+        # Chains under the cost policy with given costs: the same decision on those costs.
+        self.given_times = RealizedStepTimes(spec.num_speculative_tokens) \
+            if cost_policy and spec.draft_costs is not None and tree is None else None
         # A dynamic tree under the cost policy without a fixed budget: the batch budget of
         # each step comes from the step costs and measured acceptance.
         self.tree_acceptance = TreeAcceptanceEstimate(tree.num_nodes) \
@@ -112,11 +119,19 @@ class DraftPolicy:
         if costs is None:  # nothing measured yet (a step run outside generate): the cap
             return cap
         self.policy_steps += 1
-        choice = choose_num_drafts(costs, self.acceptance.rates, batch_size, cap,
-                                   explore=self.policy_steps % EXPLORE_EVERY == 0)
-        if self.throughput_guard is not None:
-            choice = self.throughput_guard.decide(batch_size, choice, cap)
-        return choice
+        if self.realized_times is not None:
+            times = self.realized_times.step_times(batch_size, costs, cap)
+            return self.realized_times.decide(batch_size, times, self.acceptance.rates)
+        verify, draft = prior_times(costs, batch_size, cap)
+        return self.given_times.decide(batch_size, [v + d for v, d in zip(verify, draft)],
+                                       self.acceptance.rates)
+
+    @property
+    def keeps_head_cache(self) -> bool:
+        """Whether a step that drafts nothing still runs the head's first forward over its
+        tokens (drafts discarded), so that the head's KV cache has every token when drafting
+        resumes: a chain config under the cost policy (it switches d = 0 on and off)."""
+        return self.realized_times is not None or self.given_times is not None
 
     def shape(self, batch_size: int) -> str:
         """A tree config's shape to draft now: "tree", or "chain" where the chooser measured
@@ -228,10 +243,10 @@ class DraftPolicy:
             self.acceptance.update(step.chain_verified, step.chain_accepted)
         if step.tree_rows:
             self.tree_acceptance.observe(step.tree_rows)
-        if self.throughput_guard is not None and not step.has_prefill \
-                and step.any_verified == step.drafted:  # a pure step of one mode: a sample
-            self.throughput_guard.record(step.batch_size, "spec" if step.drafted else "plain",
-                                         step.produced, step.seconds)
+        if self.realized_times is not None and not step.has_prefill:
+            self.realized_times.record(step.batch_size, verified_per_request(step),
+                                       step.num_drafts, step.seconds - step.draft_seconds,
+                                       step.draft_seconds)
         if self.shape_chooser is not None:
             # A pure step of one shape (a tree step's sample needs a verified tree: a batch
             # of only the chains another step drafted verifies none).
@@ -241,3 +256,19 @@ class DraftPolicy:
                 self.shape_chooser.record(step.batch_size, step.shape, step.seconds,
                                           step.produced, chain_tokens)
             self.drafted_shape = step.shape
+
+
+def verified_per_request(step: StepRecord) -> int | None:
+    """The drafts every sampling request of ``step`` verified, or None when they verified
+    different counts (a request near max_model_len, one that just joined).
+
+    >>> verified_per_request(StepRecord(2, False, 0.1, 6, True, True, None, False,
+    ...                                 samples=[True, True], chain_verified=[2, 2]))
+    2
+    """
+    num_sampling = sum(step.samples)
+    if not step.any_verified:
+        return 0
+    if len(step.chain_verified) != num_sampling or len(set(step.chain_verified)) != 1:
+        return None
+    return step.chain_verified[0]

@@ -1,0 +1,167 @@
+"""Step times per draft count from the engine's own realized steps, and the draft count that
+maximises expected tokens per second on them (the chain cost policy's decision).
+
+Why: step costs measured once at start-up on dummy inputs (rocdraft/spec_decode/step_costs.py)
+were trusted for the whole run; on a loaded machine one noisy measurement kept the built-in
+pair at small d (or none) for good, 0.72x of simply verifying k drafts. Here the start-up
+costs are only a prior: every pure decode step of the run is a sample, and what it measured
+replaces what was guessed.
+
+A step's time splits in two parts the engine clocks separately (``StepRecord``):
+- verify part: schedule, target forward, verification, bookkeeping; it depends on the drafts
+  per request the step *verified* (v), so a sample is keyed by v (steps whose requests
+  verified different counts are no sample);
+- draft part: the head's first forward and its further draft steps; keyed by the drafts per
+  request the step *made* (d; d = 0 still runs the head's first forward, which keeps the
+  head's KV cache complete, rocdraft/engine/llm_engine.py).
+
+In steady state at d, a step verifies d and drafts d, so T(d) = verify[d] + draft[d]. Each
+entry is the mean of its last ``RECENT`` samples less the slowest (one slow step, a garbage collection or
+another process, moves it little; a lasting change moves it within RECENT samples). An
+entry without samples is its prior times the median ratio realized / prior of the same
+part's sampled entries (a start-up measured on a busy machine is scaled back by what the
+run measured); without any sample, the prior itself.
+
+Decision, per policy step i of a batch bucket: ``best_num_drafts`` on those times and the
+acceptance rates, except every ``PROBE_EVERY``-th step (i % PROBE_EVERY == PROBE_EVERY - 1),
+which drafts one other count (``probe_count``: the runner-up, or the next of k, ..., 0): a
+probe refreshes
+that count's draft time now and its verify time next step, and a probe of d >= 1 feeds the
+acceptance of positions the best count does not verify (a useless head at d = 0 is switched
+back on once probes see its drafts accepted). Probes are 1/64 of the steps (1.6%), and a
+probe costs only the difference between the probed count's rate and the best's.
+
+Worked example (k = 2, B = 1): realized verify {2: 12 ms} and draft {2: 4 ms}; prior
+StepCosts(10, 1, 0.5, 0.5, 1) ms gives verify 11, 12, 13 and draft 1, 1.5, 3 (``prior_times``):
+ratios 12/13 and 4/3, so T = verify 10.15, 11.08, 12 + draft 1.33, 2, 4 = 11.5, 13.1, 16 ms.
+Rates [0.8, 0.8]: E = 1, 1.8, 2.44 and E/T = 0.087, 0.138, 0.153 tokens/ms: d = 2.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from rocdraft.spec_decode.cost_model import StepCosts, batch_bucket, expected_tokens
+
+RECENT = 8  # samples kept per entry
+PROBE_EVERY = 64  # policy steps per probe of another draft count (1.6% of steps)
+
+
+def best_num_drafts(step_times: list[float], rates: list[float]) -> int:
+    """argmax over d of E(d) / T(d) (``expected_tokens``), the smaller d on ties (within 1e-9
+    relative). step_times: T(0), ..., T(k) in seconds (all > 0); rates: conditional
+    acceptance per position, at least k of them.
+
+    >>> best_num_drafts([10.0, 12.0, 14.0], [0.8, 0.8])  # E/T = 0.1, 0.15, 0.174
+    2
+    >>> best_num_drafts([10.0, 12.0, 14.0], [0.1, 0.1])  # E/T = 0.1, 0.092, 0.079
+    0
+    """
+    best, best_rate = 0, 0.0
+    for d, seconds in enumerate(step_times):
+        rate = expected_tokens(rates, d) / seconds
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = d, rate
+    return best
+
+
+def prior_times(costs: StepCosts, batch_size: int, max_drafts: int
+                ) -> tuple[list[float], list[float]]:
+    """(verify part, draft part) per d = 0..max_drafts from start-up costs: verify[v] =
+    target_fixed + target_per_token * B * (v + 1); draft[d] = the head's first forward over
+    B * (d + 1) tokens plus (d - 1) draft steps (d = 0: the first forward over B tokens)."""
+    verify = [costs.time_for_drafts(batch_size, batch_size * v, 0) for v in range(max_drafts + 1)]
+    draft = [costs.time_for_drafts(batch_size, batch_size * d, max(d, 1)) - verify[d]
+             for d in range(max_drafts + 1)]
+    return verify, draft
+
+
+def calibrated(samples: dict[int, deque], prior: list[float]) -> list[float]:
+    """Per d: the robust mean of its samples (``robust_mean``), else its prior times the
+    median ratio estimate / prior of the sampled entries (1 without any).
+
+    >>> calibrated({1: deque([2.0, 9.0, 4.0])}, [1.0, 1.5, 2.0])  # 3 = 2 x prior
+    [2.0, 3.0, 4.0]
+    """
+    measured = {d: robust_mean(s) for d, s in samples.items() if s and d < len(prior)}
+    ratios = [m / prior[d] for d, m in measured.items() if prior[d] > 0]
+    scale = statistics.median(ratios) if ratios else 1.0
+    return [measured.get(d, p * scale) for d, p in enumerate(prior)]
+
+
+def robust_mean(samples) -> float:
+    """The mean without the slowest sample once there are 3 (a step slowed by something
+    else, a garbage collection or another process, is one-sided noise).
+
+    >>> robust_mean([2.0, 9.0, 4.0]), robust_mean([2.0, 4.0])
+    (3.0, 3.0)
+    """
+    values = sorted(samples)
+    if len(values) >= 3:
+        values = values[:-1]
+    return sum(values) / len(values)
+
+
+@dataclass
+class _Bucket:
+    steps: int = 0  # policy decisions taken in this bucket
+    probes: int = 0
+    verify: dict = field(default_factory=dict)  # v -> deque of seconds
+    draft: dict = field(default_factory=dict)  # d -> deque of seconds
+
+
+class RealizedStepTimes:
+    """Per batch bucket: realized verify and draft seconds per draft count, and the decision
+    (the module docstring's rule)."""
+
+    def __init__(self, max_drafts: int) -> None:
+        self.max_drafts = max_drafts
+        self.buckets: dict[int, _Bucket] = {}
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        return self.buckets.setdefault(batch_bucket(batch_size), _Bucket())
+
+    def record(self, batch_size: int, verified: int | None, drafted: int,
+               verify_seconds: float, draft_seconds: float) -> None:
+        """One pure decode step: ``verified`` drafts per request (None: the requests verified
+        different counts, no verify sample), ``drafted`` per request made."""
+        bucket = self._bucket(batch_size)
+        if verified is not None and verify_seconds > 0:
+            bucket.verify.setdefault(verified, deque(maxlen=RECENT)).append(verify_seconds)
+        if draft_seconds > 0:
+            bucket.draft.setdefault(drafted, deque(maxlen=RECENT)).append(draft_seconds)
+
+    def step_times(self, batch_size: int, prior: StepCosts, max_drafts: int) -> list[float]:
+        """T(0..max_drafts) in seconds for this batch: realized, calibrated prior where
+        unmeasured."""
+        bucket = self._bucket(batch_size)
+        verify, draft = prior_times(prior, batch_size, max_drafts)
+        return [v + d for v, d in zip(calibrated(bucket.verify, verify),
+                                      calibrated(bucket.draft, draft))]
+
+    def decide(self, batch_size: int, step_times: list[float], rates: list[float]) -> int:
+        """The drafts per request of this policy step: the best count, or a probe."""
+        bucket = self._bucket(batch_size)
+        i = bucket.steps
+        bucket.steps += 1
+        best = best_num_drafts(step_times, rates)
+        if i % PROBE_EVERY != PROBE_EVERY - 1 or len(step_times) < 2:
+            return best
+        bucket.probes += 1
+        return probe_count(step_times, rates, best, bucket.probes - 1)
+
+
+def probe_count(step_times: list[float], rates: list[float], best: int, probe: int) -> int:
+    """The count the ``probe``-th probe drafts: every even probe the runner-up (the count
+    whose estimate decides whether the best stays best), every odd one the next of k,
+    k - 1, ..., 0 without the best (every count, and the acceptance of every position, is
+    re-measured now and then).
+
+    >>> [probe_count([10.0, 12.0, 14.0], [0.8, 0.8], 2, p) for p in range(4)]  # E/T 0.1 0.15
+    [1, 1, 1, 0]
+    """
+    others = [d for d in range(len(step_times) - 1, -1, -1) if d != best]
+    if probe % 2 == 0:
+        return max(others, key=lambda d: expected_tokens(rates, d) / step_times[d])
+    return others[(probe // 2) % len(others)]
