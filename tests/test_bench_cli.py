@@ -374,3 +374,46 @@ def test_compare_system_args_defaults():
     assert system_args(args, "static").speculative_token_tree == "[(0,)]"
     assert system_args(args, "dynamic").tree_depth == 2  # given values pass on (validated later)
     assert system_args(args, "dynamic").tree_top_k is None
+
+
+# --- --compare-policies ----------------------------------------------------------------------
+
+def test_drafts_share_docstring_example():
+    from rocdraft.bench.bench_report import drafts_share
+
+    assert drafts_share({"prop_pos": [4, 1], "generated": 20, "accepted": 8, "steps": 4,
+                         "requests": 3}) == {0: 0.556, 1: 0.333, 2: 0.111}
+
+
+def test_bench_compare_policies_builtin_pair_side_by_side(capsys, tmp_path):
+    """target-only, the default policy and fixed d = 1, 2 in one run on the built-in pair:
+    the same greedy outputs, the share of steps at each d, the plot."""
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    plot = tmp_path / "policies.png"
+    capsys.readouterr()
+    rc = main(["bench", "--compare-policies", "--num-speculative-tokens", "2", "--json",
+               "--num-prompts", "2", "--max-new-tokens", "8", "--repeat", "1",
+               "--batch-size", "1", "--batch-size", "2", "--threads", "1", "--plot", str(plot)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    report = json.loads(out)
+    config = report["config"]
+    assert config["compare_policies"] is True and config["compare"] is None
+    assert config["draft_policies"] == {"cost": "cost", "fixed_1": "fixed", "fixed_2": "fixed"}
+    assert config["systems"]["fixed_1"] == "rocdraft eagle3 chain k=1 (fixed)"
+    assert config["systems"]["cost"] == "rocdraft eagle3 chain k=2 (cost)"
+    assert [r["batch_size"] for r in report["results"]] == [1, 2]
+    for row in report["results"]:
+        assert set(row["tokens_per_s"]) == {"target_only", "cost", "fixed_1", "fixed_2"}
+        for name, f in row["systems"].items():
+            assert f["greedy_outputs_identical"] is True, name
+            assert sum(f["drafts_share"].values()) == pytest.approx(1.0, abs=0.01)
+        assert set(row["systems"]["cost"]["drafts_share"]) == {"0", "1", "2"}  # JSON keys
+        # fixed d verifies d drafts on every decode step
+        assert row["systems"]["fixed_2"]["drafts_share"] == {"0": 0.0, "1": 0.0, "2": 1.0}
+        assert row["systems"]["fixed_1"]["drafts_share"] == {"0": 0.0, "1": 1.0}
+        assert row["systems"]["fixed_1"]["acceptance_length"] > 1.0
+    assert plot.stat().st_size > 1000
+    capsys.readouterr()
+    assert main(["bench", "--compare-policies", "--compare", "chain"]) != 0
+    assert "give one of them" in capsys.readouterr().err

@@ -27,6 +27,13 @@ target: ``chain`` the --num-speculative-tokens chain, ``static`` --speculative-t
 ``DEFAULT_DYNAMIC_TREE``: depth 5, top-k 4, 16 total tokens). Its rows hold every system under
 ``systems`` (speedup, acceptance, per position/depth, nodes per step, time split, greedy check)
 instead of the single-system keys.
+
+``--compare-policies`` measures the draft policy the same way: target-only, the default
+(``cost``) policy with k = --num-speculative-tokens, and ``fixed`` d = 1..k, on the same
+prompts, rotated like the others; with tree flags instead the tree under the cost policy
+(the tree-or-chain chooser), the tree alone (``fixed``) and the chain of k (``fixed``).
+Chain systems add ``drafts_share``: the share of decode request-steps that verified each d
+(d = 0: plain decoding; each request's prompt step left out).
 """
 from __future__ import annotations
 
@@ -71,6 +78,10 @@ def add_bench_args(bench) -> None:
                             "target-only: chain (--num-speculative-tokens), static "
                             "(--speculative-token-tree, default: EAGLE's default tree), "
                             "dynamic (--tree-*, default depth 5, top-k 4, 16 total tokens)")
+    bench.add_argument("--compare-policies", action="store_true",
+                       help="measure the default draft policy against fixed draft counts "
+                            "d = 1..k side by side with target-only (with tree flags: the "
+                            "tree-or-chain chooser, the tree and the chain)")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", help="write a PNG: speedup vs batch size, acceptance per "
                                       "position or depth (needs the plot extra: matplotlib)")
@@ -162,6 +173,9 @@ def _check_args(args) -> list[int]:
             raise RocdraftError("--plot needs matplotlib: pip install 'rocdraft[plot]'") from None
         check_plot_path(args.plot)
     parse_compare(args)
+    if args.compare_policies and args.compare is not None:
+        raise RocdraftError(f"--compare {args.compare!r} and --compare-policies each choose "
+                            f"the systems; give one of them")
     return batch_sizes
 
 
@@ -201,6 +215,24 @@ def system_args(args, name: str):
     return type(args)(**{**vars(args), **values})
 
 
+def policy_systems(args) -> dict:
+    """--compare-policies: system name -> its flags. A chain config: "cost" (the default
+    policy, k drafts at most) and "fixed_1" .. "fixed_k"; a tree config: "chooser" (the tree
+    under the cost policy), "tree" (fixed: only the tree) and "chain" (fixed k)."""
+    from rocdraft.entrypoints.cli_options import tree_flags_given
+
+    def flags(**values):
+        return type(args)(**{**vars(args), **values})
+
+    k = args.num_speculative_tokens
+    if tree_flags_given(args):
+        return {"chooser": flags(draft_policy="cost"), "tree": flags(draft_policy="fixed"),
+                "chain": flags(draft_policy="fixed", **dict.fromkeys(TREE_ARGS))}
+    return {"cost": flags(draft_policy="cost"),
+            **{f"fixed_{d}": flags(draft_policy="fixed", num_speculative_tokens=d)
+               for d in range(1, k + 1)}}
+
+
 def system_label(method: str, spec) -> str:
     """"rocdraft eagle3 k=4", "rocdraft eagle3 dynamic tree d5/k4/n16",
     "rocdraft eagle3 static tree (25 nodes, depth 5)"."""
@@ -225,10 +257,13 @@ def _run_bench(args) -> int:
     compare = parse_compare(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    by_policy = policy_systems(args) if args.compare_policies else None
+    if by_policy is not None:
+        compare = list(by_policy)
     spec_names = compare or ["speculative"]
     spec_llms = {}
     for name in spec_names:
-        own = system_args(args, name) if compare else args
+        own = by_policy[name] if by_policy else system_args(args, name) if compare else args
         # sync_timing: an exact time split on GPUs
         spec_llms[name], method = make_llm(own, sync_timing=True)
         if method == "none":
@@ -301,6 +336,7 @@ def _run_bench(args) -> int:
                 if name in spec_llms:
                     for s in stats:
                         stats_sum[name] = merge_stats(stats_sum[name], s)
+                    stats_sum[name]["requests"] += len(prompts)
                 done += 1
                 _progress(done, total, f"bs {batch_size} {name} run {r + 1}")
             if greedy:
@@ -310,14 +346,20 @@ def _run_bench(args) -> int:
                             identical if greedy else None,
                             outputs if greedy and hf is not None else None, compare is None,
                             {n: llm.config.speculative.tree_kind for n, llm in spec_llms.items()}))
+    policy_of = (lambda n: f" ({spec_llms[n].config.speculative.draft_policy})") \
+        if by_policy else (lambda n: "")
     labels = {"target_only": SYSTEM_LABELS["target_only"],
-              **{n: system_label(method, llm.config.speculative) for n, llm in spec_llms.items()},
+              **{n: system_label(method, llm.config.speculative) + policy_of(n)
+                 for n, llm in spec_llms.items()},
               **{n: SYSTEM_LABELS[n] for n in systems if n.startswith("hf_")}}
     trees = {n: tree_description(llm.config.speculative) for n, llm in spec_llms.items()}
     config = {"target": spec_llm.config.target, "draft": spec_llm.config.draft,
               "method": method, "num_speculative_tokens": args.num_speculative_tokens,
-              "compare": compare,
+              "compare": None if by_policy else compare,
+              "compare_policies": by_policy is not None,
               **({"trees": trees} if compare else {"tree": trees["speculative"]}),
+              **({"draft_policies": {n: llm.config.speculative.draft_policy
+                                     for n, llm in spec_llms.items()}} if by_policy else {}),
               "draft_policy": spec_llm.config.speculative.draft_policy,
               "attention_backend": spec_llm.backend.name, "device": spec_llm.device,
               "dtype": dtype, "tensor_parallel_size": args.tensor_parallel_size,

@@ -55,6 +55,8 @@ def system_figures(speedup: float, stats_sum: dict, identical: bool | None,
                "per_position_acceptance": per_position,
                "nodes_per_verify_step": round(stats_sum["nodes"] / max(stats_sum["steps"], 1), 3),
                "time_split": split}
+    if tree_kind is None:
+        figures["drafts_share"] = drafts_share(stats_sum)
     if tree_kind is not None:
         figures["per_depth_acceptance"] = per_position
         # The rest verified chains the tree-or-chain chooser drafted (draft_shape.py).
@@ -65,10 +67,30 @@ def system_figures(speedup: float, stats_sum: dict, identical: bool | None,
     return figures
 
 
+def drafts_share(stats_sum: dict) -> dict:
+    """The share of decode request-steps that verified d drafts, d = 0..k (chains): d >= 1
+    from the drafts proposed per position (verifications of at least d minus those of at
+    least d + 1), d = 0 the tokens left: each plain step samples one, each request's prompt
+    step one (not counted).
+
+    3 requests, 20 tokens, 4 verify steps, 8 accepted, proposed per position [4, 1]:
+    d = 2: 1, d = 1: 3, d = 0: 20 - 8 - 4 - 3 = 5 -> {0: 0.556, 1: 0.333, 2: 0.111}.
+    """
+    proposed = list(stats_sum["prop_pos"] or []) + [0]
+    counts = {d: proposed[d - 1] - proposed[d] for d in range(1, len(proposed))}
+    counts[0] = max(stats_sum["generated"] - stats_sum["accepted"] - stats_sum["steps"]
+                    - stats_sum["requests"], 0)
+    total = max(sum(counts.values()), 1)
+    return {d: round(counts[d] / total, 3) for d in sorted(counts)}
+
+
 def merge_stats(acc, stats) -> dict:
-    """Accumulate acceptance counters and time over repeated runs."""
+    """Accumulate acceptance counters and time over repeated runs (``requests``: the caller
+    counts them)."""
     acc = acc or {"accepted": 0, "steps": 0, "nodes": 0, "tree_steps": 0, "acc_pos": None,
-                  "prop_pos": None, "time_s": {k: 0.0 for k in stats.time_s}}
+                  "prop_pos": None, "generated": 0, "requests": 0,
+                  "time_s": {k: 0.0 for k in stats.time_s}}
+    acc["generated"] += stats.generated_tokens
     acc["tree_steps"] += stats.num_tree_verify_steps
     acc["accepted"] += stats.num_accepted_drafts
     acc["nodes"] += stats.num_verified_nodes
@@ -117,6 +139,9 @@ def print_table(report: dict) -> None:
                   f"{f['acceptance_length']:.2f} (per {where} {per}), "
                   f"{f['nodes_per_verify_step']:.1f} drafts verified per step"
                   + (f" ({f['tree_step_share']:.0%} of them trees)" if f["tree_kind"] else "")
+                  + ("; steps at d = " + ", ".join(f"{d}: {v:.0%}" for d, v in
+                                                    f["drafts_share"].items())
+                     if "drafts_share" in f else "")
                   + "; time split: "
                   + ", ".join(f"{k} {v:.0%}" for k, v in f["time_split"].items()) + same)
         if "hf_generate_mismatches" in r:
