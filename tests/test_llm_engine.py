@@ -440,3 +440,55 @@ def test_generate_refuses_to_mix_with_requests_in_flight(accepting_pair):
         llm.step()
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=3))[0].token_ids) == 3
     assert llm.stats.generated_tokens >= 3 + 2  # engine-wide counters include both
+
+
+def test_cost_policy_with_given_costs_follows_acceptance_as_it_drifts(accepting_pair):
+    """Fixed synthetic costs (verification cheap, so a good head pays at d = 3): the policy
+    drafts 3 while drafts are accepted, drops to 0 while the head is made useless (its
+    drafts shifted by one token), and drafts again once it is good again (the probes see
+    its drafts accepted). Greedy outputs equal target-only's throughout."""
+    from rocdraft.config import SpeculativeConfig
+    from rocdraft.spec_decode.draft_runner import ChainDrafts
+
+    target, head = accepting_pair
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    prompt = [[1, 5, 7, 9]]
+    reference = [o.token_ids for o in LLM(target).generate(prompt, params)]
+    llm = LLM(target, draft=head, speculative_config=SpeculativeConfig(
+        "eagle3", 3, draft_costs=(1.0, 0.1, 0.0, 0.0, 0.1)))
+    chosen, useless = [], range(40, 200)  # policy steps whose drafts are wrong
+    num_drafts, propose = llm.policy.num_drafts, llm.draft_runner.propose_chain
+
+    def recording(batch_size):
+        chosen.append(num_drafts(batch_size))
+        return chosen[-1]
+
+    def maybe_wrong(*args, **kwargs):
+        drafts = propose(*args, **kwargs)
+        if len(chosen) in useless:
+            return ChainDrafts((drafts.tokens + 1) % llm.model_runner.target.config.vocab_size)
+        return drafts
+
+    llm.policy.num_drafts, llm.draft_runner.propose_chain = recording, maybe_wrong
+    while len(chosen) < 400:  # one request after another: the policy's state carries over
+        assert [o.token_ids for o in llm.generate(prompt, params)] == reference
+    good, bad, again = chosen[5:40], chosen[120:200], chosen[-100:]
+    assert good.count(3) / len(good) > 0.9, good
+    assert bad.count(0) / len(bad) > 0.9, bad
+    assert again.count(3) / len(again) > 0.9, again
+
+
+@pytest.mark.parametrize("policy", [dict(draft_policy="fixed"), dict(),
+                                    dict(draft_costs=(1.0, 0.1, 0.0, 0.0, 0.1)),
+                                    dict(draft_costs=(1e-3, 1.0, 0.0, 1.0, 1.0))],
+                         ids=["fixed", "cost-realized", "cost-cheap", "cost-dear"])
+def test_seeded_outputs_equal_seeded_target_only_under_every_policy(accepting_pair, policy):
+    from rocdraft.config import SpeculativeConfig
+
+    target, head = accepting_pair
+    seeded = [SamplingParams(temperature=0.9, top_k=50, max_tokens=40, seed=s, ignore_eos=True)
+              for s in (1, 2, 3)]
+    prompts = [[1, 5, 7, 9], [1, 2], [4] * 11]
+    expected = [o.token_ids for o in LLM(target).generate(prompts, seeded)]
+    llm = LLM(target, draft=head, speculative_config=SpeculativeConfig("eagle3", 3, **policy))
+    assert [o.token_ids for o in llm.generate(prompts, seeded)] == expected
