@@ -40,9 +40,6 @@ def test_which_estimates_exist_follows_from_the_config(spec, realized, tree_acce
     p = policy(**spec)
     assert (p.realized_times is not None, p.tree_acceptance is not None,
             p.shape_chooser is not None) == (realized, tree_acceptance, chooser)
-    # the cost policy's chains keep the head's cache complete on steps that draft nothing
-    assert p.keeps_head_cache == (not spec.get("draft_policy") and "tree_depth" not in spec
-                                  and "speculative_token_tree" not in spec)
     assert p.wants_tree_paths == (tree_acceptance or chooser)
     assert p.wants_tree_scores == tree_acceptance
 

@@ -31,10 +31,9 @@ def test_docstring_worked_example():
     prior = StepCosts(0.010, 0.001, 0.0005, 0.0005, 0.001)
     verify, draft = prior_times(prior, 1, 2)  # the docstring's
     assert verify == pytest.approx([0.011, 0.012, 0.013])
-    assert draft == pytest.approx([0.001, 0.0015, 0.003])
+    assert draft == pytest.approx([0.0, 0.0015, 0.003])
     t = times.step_times(1, prior, 2)
-    assert t == pytest.approx([0.011 * 12 / 13 + 0.001 * 4 / 3, 0.012 * 12 / 13 + 0.002,
-                               0.016])
+    assert t == pytest.approx([0.011 * 12 / 13, 0.012 * 12 / 13 + 0.002, 0.016])
     assert best_num_drafts(t, [0.8, 0.8]) == 2
 
 
@@ -67,8 +66,8 @@ def test_probes_are_under_2_percent_and_cycle_the_other_counts():
 # --- the simulated engine -------------------------------------------------------------------
 
 class Machine:
-    """True step times: verify part a + b * B * (v + 1), draft part (d = 0: the head's first
-    forward) h + g * B * (d + 1) + s * (d - 1), each times a per-step noise factor."""
+    """True step times: verify part a + b * B * (v + 1), draft part (d = 0: none)
+    h + g * B * (d + 1) + s * (d - 1), each times a per-step noise factor."""
 
     def __init__(self, a=0.010, b=0.0005, h=0.0005, g=0.0002, s=0.0012, noise=0.0):
         self.a, self.b, self.h, self.g, self.s, self.noise = a, b, h, g, s, noise
@@ -77,7 +76,7 @@ class Machine:
         factor = lambda: max(0.3, 1 + self.noise * rng.gauss(0, 1))  # noqa: E731
         verify = (self.a + self.b * batch_size * (verified + 1)) * factor()
         draft = (self.h + self.g * batch_size * (drafted + 1)
-                 + self.s * max(drafted - 1, 0)) * factor()
+                 + self.s * max(drafted - 1, 0)) * factor() if drafted else 0.0
         return verify, draft
 
 
@@ -164,9 +163,9 @@ def test_a_perfect_head_settles_on_k():
 
 
 @pytest.mark.parametrize("batch_size, machine, settled", [
-    # d = 1 costs 6% more than d = 0 here, and a useless head's rate estimate stays at its
-    # floor (0.7 / 21 = 3%): the two are nearly even and noise picks d = 1 at times
-    (1, Machine(noise=0.1), 0.6),
+    # d = 1 costs 13% more than d = 0 here, a useless head's rate estimate stays at its
+    # floor (0.7 / 21 = 3%)
+    (1, Machine(noise=0.1), 0.95),
     (8, Machine(b=0.002, noise=0.1), 0.97),  # d = 1 costs 1.6x: d = 0 on all but probes
 ])
 def test_a_useless_head_settles_on_0_and_speculation_returns_when_the_head_becomes_good(
@@ -187,4 +186,4 @@ def test_a_useless_head_settles_on_0_and_speculation_returns_when_the_head_becom
     useless = Counter(chosen[switch // 2:switch])
     assert useless[0] / (switch // 2) > settled, useless
     good = Counter(chosen[-1000:])
-    assert good[0] / 1000 < 0.03 and max(good, key=good.get) >= 2, good
+    assert good[0] / 1000 < 0.03, good  # speculating again (which d: the machine's)

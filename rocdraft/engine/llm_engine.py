@@ -220,7 +220,7 @@ class LLMEngine:
         num_drafts = policy.num_drafts(len(scheduled)) if policy is not None else 0
         has_prefill = _has_prefill(scheduled)
         drafts, shape = None, None
-        if num_drafts or (drafter is not None and (has_prefill or policy.keeps_head_cache)):
+        if num_drafts or (drafter is not None and has_prefill):
             drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts)
         t4 = runner.clock()
         host = read_step(sampled, drafts, verified_tree, scheduled, policy)
@@ -237,9 +237,9 @@ class LLMEngine:
 
     def _propose(self, batch, sampled, out, verified_tree, num_drafts: int):
         """The next step's drafts -> (ChainDrafts or TreeDrafts, the shape a tree config
-        drafted or None): a chain config drafts max(num_drafts, 1) (a prompt-only step,
-        and under the cost policy a step that drafts nothing, still runs the head's first
-        forward, which keeps its cache in step with the target's; those drafts are dropped); a tree config the shape and budget its policy picks."""
+        drafted or None): a chain config drafts max(num_drafts, 1) (a prompt-only step
+        still runs the head's first forward, which keeps its cache in step with the
+        target's); a tree config the shape and budget its policy picks."""
         drafter, policy, batch_size = self.draft_runner, self.policy, len(batch.samples)
         hidden = drafter.head_features(out)
         if self.tree is None:

@@ -36,9 +36,15 @@ timing noise, so the chosen d may differ between runs on one machine; greedy out
 
 A chain config's cost policy decides on realized step times instead, these costs its prior
 (rocdraft/spec_decode/realized_times.py); ``choose_num_drafts`` still picks the chains a
-tree config drafts. Under the cost policy a d = 0 step still runs the head's first forward
-(its drafts dropped): skipping it left the head's KV cache without those tokens, drafts made
-after it attended to zeros there, acceptance fell and kept the policy at d = 0.
+tree config drafts.
+
+A d = 0 step skips the drafter, so the head's KV cache misses that step's tokens and later
+drafts attend to zeros there. Measured on the built-in pair (k = 4, 8 held-out prompts x 64
+tokens, greedy, 1 thread), that costs no acceptance: with 2 of every 6 steps at d = 0 the
+acceptance length was 3.297 with the head's first forward run on those steps and 3.299
+without; with 16 of every 24, 3.505 and 3.604. Running it cost 0.6 s of draft time in a
+5.8 s run, and a useless head at d = 0 would pay it on every step: so it is skipped
+(docs/draft-policy.md).
 """
 from __future__ import annotations
 

@@ -126,13 +126,6 @@ class DraftPolicy:
         return self.given_times.decide(batch_size, [v + d for v, d in zip(verify, draft)],
                                        self.acceptance.rates)
 
-    @property
-    def keeps_head_cache(self) -> bool:
-        """Whether a step that drafts nothing still runs the head's first forward over its
-        tokens (drafts discarded), so that the head's KV cache has every token when drafting
-        resumes: a chain config under the cost policy (it switches d = 0 on and off)."""
-        return self.realized_times is not None or self.given_times is not None
-
     def shape(self, batch_size: int) -> str:
         """A tree config's shape to draft now: "tree", or "chain" where the chooser measured
         the chain faster (or probes it)."""

@@ -12,8 +12,7 @@ A step's time splits in two parts the engine clocks separately (``StepRecord``):
   per request the step *verified* (v), so a sample is keyed by v (steps whose requests
   verified different counts are no sample);
 - draft part: the head's first forward and its further draft steps; keyed by the drafts per
-  request the step *made* (d; d = 0 still runs the head's first forward, which keeps the
-  head's KV cache complete, rocdraft/engine/llm_engine.py).
+  request the step *made* (d; d = 0 skips the drafter: about nothing).
 
 In steady state at d, a step verifies d and drafts d, so T(d) = verify[d] + draft[d]. Each
 entry is the mean of its last ``RECENT`` samples less the slowest (one slow step, a garbage collection or
@@ -32,9 +31,9 @@ back on once probes see its drafts accepted). Probes are 1/64 of the steps (1.6%
 probe costs only the difference between the probed count's rate and the best's.
 
 Worked example (k = 2, B = 1): realized verify {2: 12 ms} and draft {2: 4 ms}; prior
-StepCosts(10, 1, 0.5, 0.5, 1) ms gives verify 11, 12, 13 and draft 1, 1.5, 3 (``prior_times``):
-ratios 12/13 and 4/3, so T = verify 10.15, 11.08, 12 + draft 1.33, 2, 4 = 11.5, 13.1, 16 ms.
-Rates [0.8, 0.8]: E = 1, 1.8, 2.44 and E/T = 0.087, 0.138, 0.153 tokens/ms: d = 2.
+StepCosts(10, 1, 0.5, 0.5, 1) ms gives verify 11, 12, 13 and draft 0, 1.5, 3 (``prior_times``):
+ratios 12/13 and 4/3, so T = verify 10.15, 11.08, 12 + draft 0, 2, 4 = 10.15, 13.1, 16 ms.
+Rates [0.8, 0.8]: E = 1, 1.8, 2.44 and E/T = 0.099, 0.138, 0.153 tokens/ms: d = 2.
 """
 from __future__ import annotations
 
@@ -70,9 +69,9 @@ def prior_times(costs: StepCosts, batch_size: int, max_drafts: int
                 ) -> tuple[list[float], list[float]]:
     """(verify part, draft part) per d = 0..max_drafts from start-up costs: verify[v] =
     target_fixed + target_per_token * B * (v + 1); draft[d] = the head's first forward over
-    B * (d + 1) tokens plus (d - 1) draft steps (d = 0: the first forward over B tokens)."""
+    B * (d + 1) tokens plus (d - 1) draft steps (d = 0: no drafter, 0)."""
     verify = [costs.time_for_drafts(batch_size, batch_size * v, 0) for v in range(max_drafts + 1)]
-    draft = [costs.time_for_drafts(batch_size, batch_size * d, max(d, 1)) - verify[d]
+    draft = [costs.time_for_drafts(batch_size, batch_size * d, d) - verify[d]
              for d in range(max_drafts + 1)]
     return verify, draft
 
