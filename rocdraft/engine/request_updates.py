@@ -109,8 +109,8 @@ def step_record(scheduled: list[ScheduledRequest], batch: StepBatch, host: HostS
                 results: StepResults, has_prefill: bool, seconds: float, num_drafts: int,
                 draft_seconds: float, shape: str | None) -> StepRecord:
     """What the policy learns from one step (rocdraft/spec_decode/policy.py): ``num_drafts``
-    per request the step made (0: none, also when the head ran only to keep its cache),
-    ``draft_seconds`` of ``seconds`` spent drafting."""
+    per request the step made (0: none), ``draft_seconds`` of ``seconds`` spent drafting
+    (the head's first forward of a prompt step included)."""
     return StepRecord(
         batch_size=len(scheduled), has_prefill=has_prefill, seconds=seconds,
         # Tokens counted before a stop or max_tokens cut them short (a request's last step

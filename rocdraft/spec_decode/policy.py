@@ -22,8 +22,7 @@ step's time and tokens. The policy never calls a runner; it holds numbers, not m
 State:  acceptance (AcceptanceTracker, per chain position), step costs per batch bucket for
 the chain config or the dynamic tree (``step_costs``) and for a tree config's chains
 (``chain_step_costs``), the realized step times of a chain config, the tree acceptance
-estimate, the shape
-chooser and the shape drafted last step. Which of them exist follows from the config alone
+estimate, the shape chooser and the shape drafted last step. Which of them exist follows from the config alone
 (the constructor's comments say when).
 """
 from __future__ import annotations
