@@ -226,4 +226,4 @@ def test_fixed_policy_and_given_costs_draft_only_the_tree(pair):
                  SpeculativeConfig("eagle3", 3, speculative_token_tree=STATIC,
                                    draft_costs=(1.0, 0.1, 0.0, 0.0, 0.1)),
                  SpeculativeConfig("eagle3", 3)):  # a chain config: nothing to choose
-        assert LLM(target, head, spec).shape_chooser is None
+        assert LLM(target, head, spec).policy.shape_chooser is None

@@ -52,6 +52,8 @@ def test_num_drafts_is_the_cap_until_costs_are_known_then_the_cost_choice():
         # every extra token costs a whole step: plain decoding is faster
         p.add_costs(chain, bucket, StepCosts(1e-3, 1.0, 0.0, 1.0, 1.0))
     assert p.costs_to_measure(4) == [] and p.costs_to_measure(8) == [(True, 8)]
+    sweep = [p.num_drafts(3) for _ in range(10)]  # each count twice: realized times for all
+    assert sweep == [4, 4, 3, 3, 2, 2, 1, 1, 0, 0]
     assert p.num_drafts(3) == 0
     capped = policy(max_draft_tokens_per_step=6, draft_policy="fixed")
     assert [capped.num_drafts(b) for b in (1, 2, 3, 4, 8)] == [4, 3, 2, 1, 0]

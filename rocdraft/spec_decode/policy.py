@@ -19,11 +19,11 @@ After every step the engine tells it what happened in one ``observe(StepRecord)`
 chains' verified and accepted drafts, the verified dynamic trees' scores and paths, the
 step's time and tokens. The policy never calls a runner; it holds numbers, not models.
 
-State:  acceptance (AcceptanceTracker, per chain position), step costs per batch bucket for
+State: acceptance (AcceptanceTracker, per chain position), step costs per batch bucket for
 the chain config or the dynamic tree (``step_costs``) and for a tree config's chains
 (``chain_step_costs``), the realized step times of a chain config, the tree acceptance
-estimate, the shape chooser and the shape drafted last step. Which of them exist follows from the config alone
-(the constructor's comments say when).
+estimate, the shape chooser and the shape drafted last step. Which of them exist follows
+from the config alone (the constructor's comments say when).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ class DraftPolicy:
         self.realized_times = RealizedStepTimes(spec.num_speculative_tokens) \
             if cost_policy and spec.draft_costs is None and tree is None else None
         # Chains under the cost policy with given costs: the same decision on those costs.
-        self.given_times = RealizedStepTimes(spec.num_speculative_tokens) \
+        self.given_times = RealizedStepTimes(spec.num_speculative_tokens, sweep=False) \
             if cost_policy and spec.draft_costs is not None and tree is None else None
         # A dynamic tree under the cost policy without a fixed budget: the batch budget of
         # each step comes from the step costs and measured acceptance.

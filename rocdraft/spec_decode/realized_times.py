@@ -15,13 +15,17 @@ A step's time splits in two parts the engine clocks separately (``StepRecord``):
   request the step *made* (d; d = 0 skips the drafter: about nothing).
 
 In steady state at d, a step verifies d and drafts d, so T(d) = verify[d] + draft[d]. Each
-entry is the mean of its last ``RECENT`` samples less the slowest (one slow step, a garbage collection or
-another process, moves it little; a lasting change moves it within RECENT samples). An
-entry without samples is its prior times the median ratio realized / prior of the same
-part's sampled entries (a start-up measured on a busy machine is scaled back by what the
-run measured); without any sample, the prior itself.
+entry is the mean of its last ``RECENT`` samples less the slowest (one slow step, a garbage
+collection or another process, moves it little; a lasting change moves it within RECENT
+samples). An entry without samples is its prior times the median ratio realized / prior of
+the same part's sampled entries (a start-up measured on a busy machine is scaled back by
+what the run measured); without any sample, the prior itself.
 
-Decision, per policy step i of a batch bucket: ``best_num_drafts`` on those times and the
+Decision, per policy step i of a batch bucket: first a sweep, each count k, k - 1, ..., 0
+for two steps (the second verifies what it drafts: a sample of both parts), so that every
+count has realized times before the prior's shape decides anything (on the built-in pair at
+bs 8 the start-up shape kept d = 4 where d = 1 ran 1.2x faster: a bench run has only about
+130 steps there, two probes); then ``best_num_drafts`` on those times and the
 acceptance rates, except every ``PROBE_EVERY``-th step (i % PROBE_EVERY == PROBE_EVERY - 1),
 which drafts one other count (``probe_count``: the runner-up, or the next of k, ..., 0): a
 probe refreshes
@@ -114,8 +118,10 @@ class RealizedStepTimes:
     """Per batch bucket: realized verify and draft seconds per draft count, and the decision
     (the module docstring's rule)."""
 
-    def __init__(self, max_drafts: int) -> None:
-        self.max_drafts = max_drafts
+    def __init__(self, max_drafts: int, sweep: bool = True) -> None:
+        """``sweep``: start each bucket with the sweep (not for given step times: nothing
+        to measure)."""
+        self.max_drafts, self.sweep = max_drafts, sweep
         self.buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, batch_size: int) -> _Bucket:
@@ -144,6 +150,8 @@ class RealizedStepTimes:
         bucket = self._bucket(batch_size)
         i = bucket.steps
         bucket.steps += 1
+        if self.sweep and i < 2 * len(step_times):  # the sweep: k, k, k - 1, ..., 0, 0
+            return len(step_times) - 1 - i // 2
         best = best_num_drafts(step_times, rates)
         if i % PROBE_EVERY != PROBE_EVERY - 1 or len(step_times) < 2:
             return best
