@@ -240,7 +240,7 @@ def _run_bench(args) -> int:
         args.dtype = own.dtype  # make_llm fills the default in: the report shows it
         if method == "none":
             raise RocdraftError("rocdraft bench compares against speculative decoding; "
-                                "give --method eagle or eagle3 (or use the built-in pair)")
+                                "give --method eagle, eagle3 or mtp (or use the built-in pair)")
     spec_llm = spec_llms[spec_names[0]]
     args_baseline = type(args)(**{**vars(args), "method": "none", "draft": None,
                                   **dict.fromkeys(TREE_ARGS)})

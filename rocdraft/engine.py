@@ -42,6 +42,7 @@ from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_bloc
                                 plan_kv_cache)
 from rocdraft.loading import load_draft_head, load_target_model
 from rocdraft.models.compiled_regions import compile_backend, compiled_regions
+from rocdraft.models.mtp_loader import check_mtp_target
 from rocdraft.models.rope import reserve_positions
 from rocdraft.outputs import GenerationStats, RequestOutput
 from rocdraft.platform import detect_platform
@@ -110,6 +111,8 @@ class LLMEngine:
         check_sizing(num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
                      on_gpu=device != "cpu")
         spec = speculative_config
+        if spec is not None and spec.method == "mtp":  # refusals before any weight loads
+            check_mtp_target(target, tensor_parallel_size)
         self.tree = spec.draft_tree() if spec is not None else None
         if self.tree is not None:
             _check_tree(spec, self.tree, attention_backend, draft_attention_backend,
@@ -155,7 +158,7 @@ class LLMEngine:
         lookahead = draft_lookahead(self.tree) if self.tree is not None else k
         cache_specs = [self.target.kv_cache_spec()]
         if spec:
-            cache_specs.append(head_cache_spec(self.config.draft, spec.method))
+            cache_specs.append(head_cache_spec(self._head_dir(), spec.method))
         self.kv_cache_plan = plan_kv_cache(
             block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             num_lookahead_tokens=lookahead, bytes_per_block=kv_bytes_per_block(
@@ -214,7 +217,7 @@ class LLMEngine:
             vocab_source = load_vocab_tables(self.config.target, self.target.config,
                                              self.torch_dtype, self.device)
         self.head, draft_selection = load_draft_head(
-            self.config.draft, vocab_source, spec.method, self.torch_dtype, self.device, kind,
+            self._head_dir(), vocab_source, spec.method, self.torch_dtype, self.device, kind,
             block_size, self.backend.name, self.config.draft_attention_backend,
             spec.num_speculative_tokens, need_graphs=kind != "cpu" and not spec.enforce_eager,
             arch=arch, features=(Feature.TREE_DRAFTING,) if self.tree is not None else ())
@@ -280,6 +283,12 @@ class LLMEngine:
                 use_graphs=True)
         if self.draft_graph_refusal is not None:
             log.info("draft loop runs eagerly: %s", self.draft_graph_refusal)
+
+    def _head_dir(self) -> str:
+        """Where the draft head's weights are: the head directory, or for method "mtp" the
+        target's own (its MTP layers, models/mtp_loader.py)."""
+        mtp = self.config.speculative.method == "mtp"
+        return self.config.target if mtp else self.config.draft
 
     # --- the step API ----------------------------------------------------------------------
 

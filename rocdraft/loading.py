@@ -7,6 +7,7 @@ from rocdraft.backends import registry
 from rocdraft.models.config import HeadConfig, load_model_config, read_config_json
 from rocdraft.models.draft_loader import load_draft
 from rocdraft.models.llama import load_target
+from rocdraft.models.mtp_loader import load_mtp_head
 from rocdraft.models.tokenizer import load_tokenizer
 
 
@@ -39,12 +40,17 @@ def load_draft_head(path: str, target, method: str, dtype: torch.dtype, device: 
     or under tensor parallelism the whole vocabulary tables standing in for it
     (``distributed.head_tables.VocabTables``). The backend is chosen by
     ``registry.select_draft_backend`` (``explicit``, else ROCDRAFT_DRAFT_ATTENTION_BACKEND, else
-    by what the draft loop needs); the head's format must match ``method``."""
-    head_dim = HeadConfig.from_dict(read_config_json(path)).head_dim
+    by what the draft loop needs); the head's format must match ``method``. For method
+    "mtp", ``path`` is the target's directory and the head its MTP layer
+    (models/mtp_loader.py)."""
+    head_dim = target.config.head_dim if method == "mtp" else \
+        HeadConfig.from_dict(read_config_json(path)).head_dim
     req = registry.ModelRequirements(block_size=block_size, head_dim=head_dim, dtype=dtype,
                                      features=features)
     selection = registry.select_draft_backend(platform_kind, target_backend, explicit, req,
                                               num_speculative_tokens, need_graphs, arch)
+    if method == "mtp":
+        return load_mtp_head(path, target, dtype, device, selection.backend), selection
     head = load_draft(path, target, dtype, device, selection.backend)
     head_method = "eagle3" if head.aux_layer_ids(target.config.num_hidden_layers) else "eagle"
     if head_method != method:
