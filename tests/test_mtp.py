@@ -288,3 +288,24 @@ def test_tree_drafting_with_mtp_is_lossless(targets, references, tree):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == references["deepseek"][0]
     assert llm.last_stats.num_tree_verify_steps > 0
     assert llm.last_stats.acceptance_length > 1.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (none visible)")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_captured_mtp_draft_loop_on_gpu_is_lossless(targets, layout):
+    """On a GPU the engine captures the MTP draft loop per bucket (CUDA/HIP graphs); the
+    output equals target-only and the eager loop's, with drafts accepted."""
+    kwargs = dict(device="cuda", max_num_seqs=4, attention_backend="TORCH_SDPA")
+    target = targets[(layout, 2)]
+    reference = [o.token_ids for o in LLM(target, **kwargs).generate(PROMPTS, GREEDY)]
+    captured = LLM(target, **kwargs,
+                   speculative_config=SpeculativeConfig("mtp", 3, draft_policy="fixed"))
+    assert captured.draft_graph_refusal is None and captured.proposer.graph_runner is not None
+    assert captured.proposer.graph_runner.graphs
+    eager = LLM(target, **kwargs, speculative_config=SpeculativeConfig(
+        "mtp", 3, enforce_eager=True, draft_policy="fixed"))
+    assert [o.token_ids for o in captured.generate(PROMPTS, GREEDY)] == reference
+    assert [o.token_ids for o in eager.generate(PROMPTS, GREEDY)] == reference
+    assert captured.last_stats.accepted_at_position == eager.last_stats.accepted_at_position
+    assert captured.last_stats.acceptance_length > 1.5
