@@ -96,13 +96,18 @@ def is_mtp_key(key: str, num_hidden_layers: int, num_mtp_layers: int) -> bool:
     return bool(match) and 0 <= int(match.group(1)) - num_hidden_layers < num_mtp_layers
 
 
+def trunk_keys(keys: Iterable[str], config: ModelConfig) -> list[str]:
+    """The keys of a target checkpoint that are not those of the MTP layers its config
+    declares (none dropped when it declares none, so stray keys stay refused)."""
+    count = config.num_nextn_predict_layers
+    return [k for k in keys if not (count and is_mtp_key(k, config.num_hidden_layers, count))]
+
+
 def drop_mtp_keys(state: StateDict, config: ModelConfig) -> StateDict:
-    """The trunk's part of a target checkpoint: ``state`` without the keys of the MTP layers
-    its config declares (none dropped when it declares none, so stray keys stay refused)."""
+    """The trunk's part of a target checkpoint's tensors (``trunk_keys``)."""
     if not config.num_nextn_predict_layers:
         return state
-    return {k: v for k, v in state.items()
-            if not is_mtp_key(k, config.num_hidden_layers, config.num_nextn_predict_layers)}
+    return {k: state[k] for k in trunk_keys(state, config)}
 
 
 def load_mtp_head(path: str | Path, target, dtype: torch.dtype, device: torch.device | str,
