@@ -15,11 +15,12 @@ count of 0 (or not a positive integer), a DeepSeek MoE / MLA block (config ``q_l
 the declared ``0 .. n-1``, tensor parallelism.
 
 Only MTP layer 0 drafts (models/mtp.py says why), so only its tensors are read, straight from
-the safetensors files (the trunk's are not touched again); the trunk loader skips every
-declared MTP key (``drop_mtp_keys``).
+the safetensors files (the trunk's are not touched again). The trunk loaders (models/llama.py,
+the tensor-parallel one) skip every declared MTP key (``trunk_keys``, ``drop_mtp_keys``).
 """
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -33,6 +34,7 @@ from rocdraft.models.config import ModelConfig, load_model_config, read_config_j
 from rocdraft.models.mtp import DeepSeekMtpHead, MimoMtpHead, MtpHead
 from rocdraft.models.weights import StateDict, copy_weights, load_state_dict, weight_files
 
+log = logging.getLogger(__name__)
 MIMO_PREFIX = "model.mtp_layers."
 # Config fields and key parts of DeepSeek's MLA attention / MoE MLP (out of scope).
 MOE_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "n_routed_experts")
@@ -119,6 +121,9 @@ def load_mtp_head(path: str | Path, target, dtype: torch.dtype, device: torch.de
     num_hidden = target.config.num_hidden_layers
     keys, read = _checkpoint_reader(path)
     prefix = _layer0_prefix(keys, num_hidden, count, where)
+    if count > 1:
+        log.info("%s: %d MTP layers; layer 0 drafts every step (as vLLM does), layers 1-%d "
+                 "are not loaded", where, count, count - 1)
     moe = sorted(k for k in keys if k.startswith(prefix)
                  and any(part in k for part in MOE_MLA_KEY_PARTS))
     if moe:
