@@ -272,5 +272,5 @@ class EngineConfig:
                                 f"draft layers come from the target's own checkpoint; drop "
                                 f"draft")
         if method not in (None, "mtp") and not self.draft:
-            raise RocdraftError(f"speculative method {method!r} needs a draft "
-                                f"head directory (draft=...)")
+            raise RocdraftError(f"speculative method {method!r} needs a draft head directory "
+                                f"(draft=...)")
