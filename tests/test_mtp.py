@@ -92,7 +92,8 @@ def reference_mtp(layout: str, t: dict, cfg: dict, embed: torch.Tensor, lm_head:
 @pytest.fixture(scope="module")
 def formula_targets(tmp_path_factory):
     """Random (not cyclic) MTP weights: MiMo, DeepSeek over Llama whose embed/head copies
-    equal the trunk's, and DeepSeek whose copies differ (its own modules are used)."""
+    equal the trunk's, DeepSeek whose copies differ (its own modules are used), DeepSeek over
+    a Qwen2 block (q/k/v biases)."""
     from safetensors.torch import save_file
 
     root = tmp_path_factory.mktemp("mtp_formula")
@@ -104,10 +105,12 @@ def formula_targets(tmp_path_factory):
     save_file(state, str(path), metadata={"format": "pt"})
     return {"mimo": write_mimo_target(root / "mimo", cyclic=False, seed=1),
             "deepseek": write_deepseek_layout_target(root / "deepseek", cyclic=False, seed=2),
-            "deepseek_own": own}
+            "deepseek_own": own,
+            "deepseek_qwen2": write_deepseek_layout_target(root / "deepseek_qwen2", cyclic=False,
+                                                           seed=6, kind="qwen2")}
 
 
-@pytest.mark.parametrize("case", ["mimo", "deepseek", "deepseek_own"])
+@pytest.mark.parametrize("case", ["mimo", "deepseek", "deepseek_own", "deepseek_qwen2"])
 def test_forward_equals_the_layout_formula(formula_targets, case, attention_backend):
     """Two ragged sequences from position 0 (so the position-0 embedding is zeroed) through
     the paged cache, then one more token each: every row's returned hidden and logits equal
@@ -122,6 +125,8 @@ def test_forward_equals_the_layout_formula(formula_targets, case, attention_back
     target = load_target(directory, torch.float32, "cpu", backend)
     head = load_mtp_head(directory, target, torch.float32, "cpu", backend)
     assert isinstance(head, MimoMtpHead if layout == "mimo" else DeepSeekMtpHead)
+    if case == "deepseek_qwen2":
+        assert head.self_attn.q_proj.bias is not None
     if case == "deepseek":  # equal copies: the target's modules are shared
         assert head.embed_tokens is target.embed_tokens
         assert head.shared_head.head is target.lm_head
