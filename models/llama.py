@@ -19,6 +19,7 @@ from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
 from rocdraft.models.layers import (EAGER_REGIONS, Attention, DecoderBlock, GatedMLP, RMSNorm,
                                     decoder_forward, layer_weights, project)
+from rocdraft.models.mtp_loader import drop_mtp_keys
 from rocdraft.models.rope import RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 from rocdraft.models.weights import copy_weights, load_state_dict
@@ -106,7 +107,7 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device | str
                 attn_backend: type[AttentionBackend]) -> LlamaForCausalLM:
     """Build the target from a HF checkpoint directory; every weight checked and copied."""
     config = load_model_config(path)
-    state = load_state_dict(path)
+    state = drop_mtp_keys(load_state_dict(path), config)  # MTP layers: models/mtp_loader.py
     model = LlamaForCausalLM(config, attn_backend, dtype, "meta")
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives the two tied names separate storage

@@ -56,7 +56,7 @@ class LLMEngine:
         # Slots a request needs past its tokens for the drafts of one step.
         lookahead = 0 if spec is None else draft_lookahead(self.tree) \
             if self.tree is not None else spec.num_speculative_tokens
-        head_specs = [head_cache_spec(args.draft, spec.method)] if spec else []
+        head_specs = [head_cache_spec(args.head_dir, spec.method)] if spec else []
         self.model_runner = ModelRunner(args, head_specs, lookahead, self.tree)
         self.policy = DraftPolicy(spec, self.tree) if spec else None
         self.draft_runner = load_draft_runner(
