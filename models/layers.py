@@ -315,3 +315,16 @@ class Attention(nn.Module):
         """x [num_tokens, input_size], rope: the step's tables (``RotaryEmbedding.tables``)
         -> [num_tokens, hidden_size]. Writes this layer's K/V into ``kv_cache``."""
         return attention_forward(self.weights(), x, rope, kv_cache, attn_metadata)
+
+
+def add_block_parts(module: nn.Module, config,  # a models.config.ModelConfig
+                    attn_backend: type[AttentionBackend], **factory) -> None:
+    """The Llama / Qwen2 decoder block's parts as attributes of ``module`` (so their keys sit
+    directly under its prefix: a target layer's, or an MTP layer's beside its own parts)."""
+    hidden = config.hidden_size
+    module.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
+    module.self_attn = Attention(hidden, hidden, config.num_attention_heads,
+                                 config.num_key_value_heads, config.head_dim, attn_backend,
+                                 qkv_bias=config.attention_bias, **factory)
+    module.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
+    module.mlp = GatedMLP(hidden, config.intermediate_size, config.mlp_bias, **factory)

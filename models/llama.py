@@ -17,7 +17,7 @@ from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
-from rocdraft.models.layers import (EAGER_REGIONS, Attention, DecoderBlock, GatedMLP, RMSNorm,
+from rocdraft.models.layers import (EAGER_REGIONS, DecoderBlock, RMSNorm, add_block_parts,
                                     decoder_forward, layer_weights, project)
 from rocdraft.models.mtp_loader import drop_mtp_keys
 from rocdraft.models.rope import RotaryEmbedding
@@ -37,14 +37,7 @@ class DecoderLayer(DecoderBlock):
     def __init__(self, config: ModelConfig, attn_backend: type[AttentionBackend],
                  device=None, dtype=None) -> None:
         super().__init__()
-        factory = dict(device=device, dtype=dtype)
-        hidden = config.hidden_size
-        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
-        self.self_attn = Attention(hidden, hidden, config.num_attention_heads,
-                                   config.num_key_value_heads, config.head_dim, attn_backend,
-                                   qkv_bias=config.attention_bias, **factory)
-        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, config.mlp_bias, **factory)
+        add_block_parts(self, config, attn_backend, device=device, dtype=dtype)
 
 
 class LlamaForCausalLM(nn.Module):

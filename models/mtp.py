@@ -40,7 +40,7 @@ from torch import nn
 from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.models.config import ModelConfig
-from rocdraft.models.layers import (EAGER_REGIONS, Attention, BlockWeights, GatedMLP, RMSNorm,
+from rocdraft.models.layers import (EAGER_REGIONS, BlockWeights, RMSNorm, add_block_parts,
                                     block_weights, decoder_forward, project)
 from rocdraft.models.rope import RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
@@ -67,16 +67,9 @@ class MtpHead(nn.Module):
                  embed_tokens: nn.Embedding, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
-        factory = dict(device=device, dtype=dtype)
-        hidden = config.hidden_size
         self.config = config  # the target's: the block has the trunk's shapes
         self.embed_tokens = embed_tokens  # [vocab, H]
-        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
-        self.self_attn = Attention(hidden, hidden, config.num_attention_heads,
-                                   config.num_key_value_heads, config.head_dim, attn_backend,
-                                   qkv_bias=config.attention_bias, **factory)
-        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, config.mlp_bias, **factory)
+        add_block_parts(self, config, attn_backend, device=device, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                           device, first_row_of_mrope=True)
         self._weights = WeightCache(_block)  # models/weight_cache.py
