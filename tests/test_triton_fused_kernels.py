@@ -50,19 +50,29 @@ def _tolerance(dtype: torch.dtype) -> dict:
     return dict(rtol=2 * eps, atol=2 * eps)
 
 
+def _assert_mostly_bit_exact(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """In the interpreter, 16-bit results equal torch's bit for bit except where numpy's exp /
+    sqrt lands on the other side of a rounding boundary (measured: >= 99.9% of elements; a
+    missing intermediate rounding drops it far lower). Not asserted on a GPU (its exp)."""
+    if DEVICE == "cpu" and got.dtype != torch.float32:
+        share = (got == expected).float().mean().item()
+        assert share >= 0.99, f"only {share:.1%} of elements bit-exact"
+
+
 # --- residual add + RMSNorm -----------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_matches_reference(dtype):
     hidden_size = 48  # not a power of two: masked columns
-    wide = _randn((5, 2 * hidden_size), dtype, seed=1, scale=3.0)
+    wide = _randn((12, 2 * hidden_size), dtype, seed=1, scale=3.0)
     x = wide[:, :hidden_size]  # strided rows, as a projection's slice
-    residual = _randn((5, hidden_size), dtype, seed=2)
+    residual = _randn((12, hidden_size), dtype, seed=2)
     weight = _randn((hidden_size,), dtype, seed=3)
     out, residual_out = add_rms_norm_triton(x, residual, weight, 1e-5)
     ref_out, ref_residual = add_rms_norm_reference(x, residual, weight, 1e-5)
     assert torch.equal(_bits(residual_out), _bits(ref_residual.contiguous()))
     torch.testing.assert_close(out, ref_out, **_tolerance(dtype))
+    _assert_mostly_bit_exact(out, ref_out)
     assert out.is_contiguous() and out.dtype == dtype
 
 
@@ -93,11 +103,13 @@ def test_add_rms_norm_empty_and_errors():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_reference(dtype):
-    size = 40
+    size = 200
     wide = _randn((6, 2 * size + 8), dtype, seed=7, scale=4.0)
     gate_up = wide[:, :2 * size]  # strided rows
     out = silu_mul_triton(gate_up)
-    torch.testing.assert_close(out, silu_mul_reference(gate_up, size), **_tolerance(dtype))
+    expected = silu_mul_reference(gate_up, size)
+    torch.testing.assert_close(out, expected, **_tolerance(dtype))
+    _assert_mostly_bit_exact(out, expected)
     assert out.shape == (6, size) and out.is_contiguous()
 
 

@@ -19,8 +19,9 @@ rounded to the model dtype as torch rounds them (bf16 in software), so q and the
 are bit-exact with the reference in the interpreter for every dtype. Same-dtype caches store
 the rotated values as they are; fp8 caches store ``clamp(x / scale, -fp8_max, fp8_max)``
 rounded to nearest even (backends/triton_kernels/kv_write.py's helpers, the same bytes as
-torch). On a GPU the compiler may contract a float32 product and sum into one FMA, so
-float32 q / k may differ there by one rounding; 16-bit dtypes round every step explicitly.
+torch). The launch turns floating-point fusion off (``enable_fp_fusion=False``), so a GPU
+compiler does not contract a float32 product and sum into one FMA either; 16-bit dtypes round
+every step explicitly. That the GPU's bytes match too is what a GPU run of the tests shows.
 Bytes per call::
 
     num_tokens * ((num_heads + 2 * num_kv_heads) * head_dim * elt        (qkv in)
@@ -228,5 +229,6 @@ def rope_kv_write_triton(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch
         HAS_V_SCALE=v_scale is not None, FP8_MAX=kind.fp8_max, FP8_MIN_EXP=kind.fp8_min_exp,
         BLOCK_T=block_t, BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        enable_fp_fusion=False)  # torch's separate product and sum, never one FMA
     return q
