@@ -251,3 +251,22 @@ def test_block_tail_is_unchanged_by_the_references():
     gate_up = torch.nn.functional.linear(normed, mlp.gate_up[0])
     expected = h + torch.nn.functional.linear(silu_mul_reference(gate_up, 8), mlp.down[0])
     assert torch.equal(block_tail(residual, attn, o, (w, 1e-5), mlp), expected)
+
+
+def test_benchmark_script_checks_and_reports(capsys, monkeypatch):
+    """scripts/bench_fused_kernels.py on tiny CPU shapes: every kernel checked against its
+    reference and reported with bytes and GB/s (an interpreter smoke run, not a figure)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench_fused_kernels
+
+    assert bench_fused_kernels.main(["--json", "--kv-dtype", "fp8", "--iters", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["kernels"]) == {"add_rms_norm", "silu_mul", "rope_kv_write"}
+    for row in result["kernels"].values():
+        assert row["checked"] and row["bytes"] > 0 and row["achieved_gbps"] > 0
+    assert result["note"] and "not a performance figure" in result["note"]
+    sys.modules.pop("bench_fused_kernels", None)
