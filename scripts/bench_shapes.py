@@ -246,6 +246,11 @@ def _sync(device: str) -> None:
 
 # --- systems --------------------------------------------------------------------------------
 
+def log(message: str) -> None:
+    """Progress on stderr as it happens: a run cut short by a deadline keeps what it measured."""
+    print(f"[bench_shapes] {message}", file=sys.stderr, flush=True)
+
+
 def _stats(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
@@ -335,14 +340,20 @@ def measure(args, target: Path, head: Path) -> dict:
     for bs in args.batch_size:  # warm every system on every shape first
         for llm in systems.values():
             run_rocdraft(llm, prompts[bs], args.max_new_tokens, args.device)
+    log("rocdraft systems warmed on every batch size")
     for _ in range(args.repeats):  # interleaved
         for bs in args.batch_size:
             for name, llm in systems.items():
-                results.setdefault(name, {}).setdefault(bs, []).append(
-                    run_rocdraft(llm, prompts[bs], args.max_new_tokens, args.device))
+                run = run_rocdraft(llm, prompts[bs], args.max_new_tokens, args.device)
+                results.setdefault(name, {}).setdefault(bs, []).append(run)
+                log(f"{name} bs {bs}: {run['tok_s']:.1f} tok/s, {run['steps']} steps, "
+                    f"acceptance length {run['acceptance_length']:.2f}")
     smallest = min(args.batch_size)
     profiles = {name: profile_generate(llm, prompts[smallest], args.profile_tokens, args.device)
                 for name, llm in systems.items()}
+    log(f"profiles at bs {smallest}: {profiles}")
+    backend = getattr(systems["rocdraft"], "backend", None)
+    backend_name = getattr(backend, "name", str(backend))
     _free(*systems.values())
     systems.clear()
     hf_kinds = {"none": (), "eager": ("eager",), "static": ("static",),
@@ -361,10 +372,12 @@ def measure(args, target: Path, head: Path) -> dict:
                 run_hf(model, prompts[bs], args.max_new_tokens, args.device, static)  # warm
             for _ in range(args.repeats):
                 for bs in args.batch_size:
-                    results.setdefault(name, {}).setdefault(bs, []).append(
-                        run_hf(model, prompts[bs], args.max_new_tokens, args.device, static))
+                    run = run_hf(model, prompts[bs], args.max_new_tokens, args.device, static)
+                    results.setdefault(name, {}).setdefault(bs, []).append(run)
+                    log(f"{name} bs {bs}: {run['tok_s']:.1f} tok/s")
         _free(model)
-    return {"runs": results, "profile": profiles, "profiled_batch_size": smallest}
+    return {"runs": results, "profile": profiles, "profiled_batch_size": smallest,
+            "attention_backend": backend_name}
 
 
 def summarize(args, measured: dict, bandwidth: float, weight_bytes: int) -> dict:
@@ -396,11 +409,13 @@ def summarize(args, measured: dict, bandwidth: float, weight_bytes: int) -> dict
             "weight_bytes_per_step": weight_bytes, "copy_bandwidth_gbps": bandwidth,
             "roofline_tok_s_per_sequence": per_seq_roofline, "systems": systems,
             "spec_step_over_decode_step": ratio, "profile": measured["profile"],
-            "profiled_batch_size": measured["profiled_batch_size"]}
+            "profiled_batch_size": measured["profiled_batch_size"],
+            "attention_backend": measured["attention_backend"]}
 
 
 def print_report(s: dict) -> None:
-    print(f"{s['shape']} ({s['dtype']}) on {s['device_name']}, {s['threads']} torch thread(s); "
+    print(f"{s['shape']} ({s['dtype']}, {s['attention_backend']}) on {s['device_name']}, "
+          f"{s['threads']} torch thread(s); "
           f"prompts {s['prompt_len']} tokens, {s['max_new_tokens']} new, best/median/worst of "
           f"{s['repeats']} after a warm-up")
     print(f"roofline: {s['weight_bytes_per_step'] / 1e9:.2f} GB of weights per step at "
@@ -439,7 +454,9 @@ def main(argv=None) -> int:
     target, head = root / f"{args.shape}-{args.dtype}", root / f"{args.shape}-{args.dtype}-eagle1"
     write_s = write_checkpoint(target, cfg, dtype, args.device)
     write_s += write_checkpoint(head, cfg, dtype, args.device, head=True)
+    log(f"checkpoint {target} ({total / 1e9:.2f} GB) ready after {write_s:.1f} s of writing")
     bandwidth = copy_bandwidth_gbps(args.device)
+    log(f"device-to-device copy bandwidth {bandwidth:.0f} GB/s")
     summary = summarize(args, measure(args, target, head), bandwidth,
                         weight_bytes_per_step(cfg, dtype))
     summary.update(checkpoint=str(target), checkpoint_bytes=total, checkpoint_write_s=write_s)

@@ -263,10 +263,14 @@ def test_benchmark_script_checks_and_reports(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
     import bench_fused_kernels
 
-    assert bench_fused_kernels.main(["--json", "--kv-dtype", "fp8", "--iters", "1"]) == 0
+    tiny = ["--num-tokens", "4", "--hidden", "64", "--intermediate", "128", "--num-heads", "4",
+            "--num-kv-heads", "2", "--head-dim", "16", "--iters", "1", "--repeats", "1"]
+    assert bench_fused_kernels.main(["--json", "--kv-dtype", "fp8", "--device", DEVICE,
+                                     *tiny]) == 0
     result = json.loads(capsys.readouterr().out)
     assert set(result["kernels"]) == {"add_rms_norm", "silu_mul", "rope_kv_write"}
     for row in result["kernels"].values():
         assert row["checked"] and row["bytes"] > 0 and row["achieved_gbps"] > 0
-    assert result["note"] and "not a performance figure" in result["note"]
+    if DEVICE == "cpu":
+        assert result["note"] and "not a performance figure" in result["note"]
     sys.modules.pop("bench_fused_kernels", None)
