@@ -316,7 +316,9 @@ def profile_generate(llm, prompts: list[list[int]], max_new_tokens: int, device:
     report = {"steps": result["steps"],
               "host_syncs_per_step": sum(e.name in SYNC_EVENTS for e in events) / steps}
     if device == "cuda":
-        kernel_us = sum(e.device_time for e in events
+        # Device-side activities (kernels, copies, memsets; kernels replayed from graphs too)
+        # are FunctionEvents of device type CUDA (HIP on ROCm reports CUDA as well).
+        kernel_us = sum(e.time_range.elapsed_us() for e in events
                         if e.device_type == torch.autograd.DeviceType.CUDA)
         report["gpu_busy_share"] = kernel_us / 1e6 / wall
         report["launches_per_step"] = sum(e.name in LAUNCH_EVENTS for e in events) / steps
