@@ -97,3 +97,17 @@ def test_compile_plan_respects_a_target_filter():
     plan = catalog.compile_plan(targets=gfx942)
     assert plan and {t.name for _, t in plan} == {"gfx942"}
     assert len(plan) == sum("gfx942" in s.targets for s in catalog.kernel_catalog())
+
+
+def test_fused_entries_compile_with_the_wrappers_launch_options():
+    """The RoPE + KV write launches without FP fusion and the norm with 8 warps at hidden 4096:
+    the compile check builds what runs."""
+    from rocdraft.backends.triton_kernels import fused_norm
+
+    for spec in catalog.kernel_catalog():
+        if spec.kernel_name == "rope_kv_write_kernel":
+            assert dict(spec.options) == {"enable_fp_fusion": False}, spec.name
+        elif spec.kernel_name == "add_rms_norm_kernel":
+            assert dict(spec.options) == {"num_warps": fused_norm.num_warps_for(4096)}
+        else:
+            assert spec.options == (), spec.name

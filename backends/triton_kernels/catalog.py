@@ -20,6 +20,7 @@ resources at run time (only a run on the hardware does).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,9 @@ class KernelSpec:
     targets: tuple[str, ...] = ALL_TARGETS  # CompileTarget.name of every target it is built for
     # (dtype, KV-cache dtype) of a declared-pair entry; None for shape variants.
     dtype_pair: tuple[torch.dtype, torch.dtype] | None = None
+    # Compile options the wrapper launches with (num_warps, enable_fp_fusion), when not
+    # Triton's defaults.
+    options: tuple[tuple[str, object], ...] = ()
 
     @property
     def kernel_name(self) -> str:
@@ -174,9 +178,10 @@ def _rope_kv_write(variant: str, dtype: torch.dtype, cache_dtype: torch.dtype,
                   "HAS_K_SCALE": fp8, "HAS_V_SCALE": fp8, "FP8_MAX": kind.fp8_max,
                   "FP8_MIN_EXP": kind.fp8_min_exp, "BLOCK_T": 1, "BLOCK_HQ": 32,
                   "BLOCK_HK": 8, "BLOCK_D": 128}
-    return _spec(f"rope_kv_write[{variant}]", rope_kv_write.rope_kv_write_kernel, types,
+    spec = _spec(f"rope_kv_write[{variant}]", rope_kv_write.rope_kv_write_kernel, types,
                  constexprs, ("_rotated_rows", "_store_cache_rows", "_round_to_dtype_grid",
                               "_round_to_bf16_grid", "_round_to_fp8_grid"), targets, dtype_pair)
+    return dataclasses.replace(spec, options=(("enable_fp_fusion", False),))
 
 
 def _dense_entries() -> list[KernelSpec]:
@@ -186,12 +191,13 @@ def _dense_entries() -> list[KernelSpec]:
     entries = []
     for dtype in TritonAttnBackend.capabilities.dtypes:
         t, code = TRITON_TYPES[dtype], fused_norm.ROUND_CODES[dtype]
-        entries.append(_spec(
+        entries.append(dataclasses.replace(_spec(
             f"add_rms_norm[{SHORT_NAMES[dtype]}]", fused_norm.add_rms_norm_kernel,
             {"x_ptr": f"*{t}", "residual_ptr": f"*{t}", "weight_ptr": f"*{t}",
              "out_ptr": f"*{t}", "residual_out_ptr": f"*{t}", "eps": "fp32"},
             {"ROUND": code, "BLOCK_T": 1, "BLOCK_H": 4096},
-            ("_round_to_dtype_grid", "_round_to_bf16_grid")))
+            ("_round_to_dtype_grid", "_round_to_bf16_grid")),
+            options=(("num_warps", fused_norm.num_warps_for(4096)),)))
         entries.append(_spec(
             f"silu_mul[{SHORT_NAMES[dtype]}]", silu_mul.silu_mul_kernel,
             {"gate_up_ptr": f"*{t}", "out_ptr": f"*{t}"},
