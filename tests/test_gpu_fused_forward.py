@@ -21,8 +21,8 @@ from rocdraft.backends.kv_cache import allocate_kv_cache
 from rocdraft.models.llama import load_target
 from rocdraft.platform import detect_platform
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (none visible)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a GPU (none visible)")]
 
 
 @pytest.fixture(scope="module")

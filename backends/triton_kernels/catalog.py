@@ -215,8 +215,9 @@ def declared_pairs(target: CompileTarget) -> tuple[tuple[torch.dtype, torch.dtyp
 
 
 def _declared_pair_entries() -> list[KernelSpec]:
-    """One KV-write, one attention and one RoPE + KV-write entry per declared pair, built for every target that
-    declares it (decode tiling with GQA 4: the launch every draft step makes)."""
+    """One KV-write, one attention and one RoPE + KV-write entry per declared pair, built for
+    every target that declares it (decode tiling with GQA 4: the launch every draft step
+    makes)."""
     targets_of: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
     for target in TARGETS:
         for pair in declared_pairs(target):
