@@ -13,6 +13,11 @@ CPU tensors -> the CPU shim extension once a caller loaded it (build.load_cpu_sh
 otherwise -> the torch references (backends.kv_cache.write_kv_reference, drafter.index_math,
 backends.kv_compact.compact_kv_reference).
 All paths give identical results; the fake impls only check and shape.
+
+``write_kv_impl`` is ``rocdraft::write_kv``'s body as a plain function: eager callers
+(dispatch.write_kv_hip, once per layer per step) call it directly, because the custom op's
+own Python dispatch (ADInplaceOrView and autograd kernels, a dynamo-disable wrapper) cost
+3.6x the body on the host (scripts/bench_write_kv_host.py).
 """
 from typing import Optional
 
