@@ -17,6 +17,8 @@ lengths, so no shape is first met while timed); the rocdraft systems are timed i
 (repeat by repeat, system by system), transformers after them (the two models do not share
 the GPU at once). Also:
 
+- ``--compare-unfused``: target-only again with the fused Triton kernels off (an A/B of
+  models/fused_layers.py, interleaved with the others; on the CPU both rows run the same code);
 - the spec-step / decode-step time ratio: wall time per engine step (prefill included) of the
   chain over target-only, per batch size;
 - the HBM roofline: weight bytes read per decode step (every linear weight and lm_head once)
@@ -69,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf", choices=("none", "eager", "static", "both"),
                    help="transformers systems (default: both on cuda, eager on cpu)")
     p.add_argument("--profile-tokens", type=int, default=16, help="tokens of the profiled run")
+    p.add_argument("--compare-unfused", action="store_true",
+                   help="also time target-only with ROCDRAFT_FUSED_KERNELS=0 (A/B of the fused "
+                        "kernels; a third copy of the weights in memory)")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads (cpu default 1)")
     p.add_argument("--checkpoint-root", default=None, help="default /dev/shm when it fits")
@@ -126,9 +131,20 @@ def rocdraft_systems(args, target: Path, head: Path) -> dict[str, object]:
                   + args.num_speculative_tokens + 16,
                   attention_backend=args.attention_backend)
     spec = SpeculativeConfig("eagle", args.num_speculative_tokens, draft_policy="fixed")
-    return {"rocdraft": LLM(str(target), **common),
-            "rocdraft_chain": LLM(str(target), draft=str(head), speculative_config=spec,
-                                  **common)}
+    systems = {"rocdraft": LLM(str(target), **common),
+               "rocdraft_chain": LLM(str(target), draft=str(head), speculative_config=spec,
+                                     **common)}
+    if args.compare_unfused:  # the target reads ROCDRAFT_FUSED_KERNELS when it is built
+        previous = os.environ.get("ROCDRAFT_FUSED_KERNELS")
+        os.environ["ROCDRAFT_FUSED_KERNELS"] = "0"
+        try:
+            systems["rocdraft_unfused"] = LLM(str(target), **common)
+        finally:
+            if previous is None:
+                del os.environ["ROCDRAFT_FUSED_KERNELS"]
+            else:
+                os.environ["ROCDRAFT_FUSED_KERNELS"] = previous
+    return systems
 
 
 def run_rocdraft(llm, prompts: list[list[int]], max_new_tokens: int, device: str) -> dict:
