@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rocdraft import envs
 from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
+from rocdraft.models.fused_layers import fused_stack_forward, runs_fused
 from rocdraft.models.layers import (EAGER_REGIONS, DecoderBlock, RMSNorm, add_block_parts,
                                     decoder_forward, layer_weights, project)
 from rocdraft.models.mtp_loader import drop_mtp_keys
@@ -42,7 +44,10 @@ class DecoderLayer(DecoderBlock):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: type[AttentionBackend],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 fused_kernels: bool | None = None) -> None:
+        """``fused_kernels``: GPU forwards run models/fused_layers.py (None: the
+        ROCDRAFT_FUSED_KERNELS switch, on by default); CPU forwards never do."""
         super().__init__()
         factory = dict(device=device, dtype=dtype)
         self.config = config
@@ -56,6 +61,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         self._weights = WeightCache(layer_weights)  # models/weight_cache.py
         self.regions = EAGER_REGIONS  # or models/compiled_regions.py's
+        self.fused_kernels = envs.fused_kernels_enabled() if fused_kernels is None \
+            else fused_kernels
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -79,6 +86,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"aux_layer_ids {bad} out of range [0, {num_layers})")
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         rope = self.rotary_emb.tables(positions, hidden.dtype)  # once per step, every layer
+        if self.fused_kernels and self.regions is EAGER_REGIONS and runs_fused(hidden):
+            normed, aux = fused_stack_forward(self._weights.get(self), hidden, rope, kv_caches,
+                                              attn_metadata, aux_layer_ids,
+                                              (self.norm.weight, self.norm.eps))
+            return TargetOutput(normed, aux)
         captured: dict[int, torch.Tensor] = {}
         for i, weights in enumerate(self._weights.get(self)):  # = self.layers[i], flattened
             if i in aux_layer_ids:
