@@ -43,6 +43,7 @@ from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_bloc
 from rocdraft.loading import load_draft_head, load_target_model
 from rocdraft.models.compiled_regions import compile_backend, compiled_regions
 from rocdraft.models.rope import reserve_positions
+from rocdraft.multimodal import image_length_error, read_multimodal_prompt
 from rocdraft.outputs import GenerationStats, RequestOutput
 from rocdraft.platform import detect_platform
 from rocdraft.prompts import prompt_error, tokenize_prompt
@@ -133,6 +134,10 @@ class LLMEngine:
             tree_features, executor and executor.group, executor and executor.counter)
         if executor is not None:
             self.target = executor.wrap_target(self.target)
+        if self.tree is not None and getattr(self.target, "vl_config", None) is not None:
+            raise RocdraftError(f"{spec.tree_kind} tree drafting on the vision-language target "
+                                f"{target} is not supported (M-RoPE tree positions); use a "
+                                f"chain (num_speculative_tokens without a tree)")
         if self.compile_backend is not None:
             self.target.regions = compiled_regions(self.compile_backend)
         cfg = self.target.config
@@ -350,9 +355,15 @@ class LLMEngine:
     def _make_request(self, request_id, prompt, params: SamplingParams) -> Request:
         """A Request for ``prompt``; one that cannot run is already finished with "error"."""
         cfg = self.target.config
-        ids, error = tokenize_prompt(prompt, self.tokenizer)
-        req = Request(request_id, ids, params, eos_token_ids=tuple(cfg.eos_token_ids))
-        error = error or prompt_error(ids, cfg.vocab_size, self.max_model_len)
+        images = None
+        if isinstance(prompt, dict):  # {"prompt" | "prompt_token_ids", "images"}
+            ids, images, error = read_multimodal_prompt(prompt, self.target, self.tokenizer)
+        else:
+            ids, error = tokenize_prompt(prompt, self.tokenizer)
+        req = Request(request_id, ids, params, eos_token_ids=tuple(cfg.eos_token_ids),
+                      images=images)
+        error = error or image_length_error(ids, images, self.max_model_len) \
+            or prompt_error(ids, cfg.vocab_size, self.max_model_len)
         if error:
             req.finish("error", error)
         return req
@@ -397,8 +408,9 @@ class LLMEngine:
                                  self.scheduler_config.block_size, self.device)
         t1 = self._clock()
         metadata = self.builder.build(batch.common)
+        images = {} if batch.target_splice is None else {"splice": batch.target_splice}
         out = self.target(batch.input_ids, batch.positions, self.kv_caches, metadata,
-                          aux_layer_ids=self.aux_layer_ids)
+                          aux_layer_ids=self.aux_layer_ids, **images)
         flat = batch.sample_indices.view(-1)
         logits = self.target.compute_logits(out.hidden_states[flat]).view(
             len(scheduled), batch.max_drafts + 1, -1)
@@ -610,8 +622,9 @@ class LLMEngine:
         cache in step with the target's), default the cap ``drafts_per_request``."""
         if num_drafts is None:
             num_drafts = max(self.drafts_per_request(batch.common.num_reqs), 1)
-        args, rejected = self._head_inputs(batch, sampled, hidden)
-        return self.proposer.propose(*args, num_rejected=rejected, num_drafts=num_drafts)
+        args, rejected, splice = self._head_inputs(batch, sampled, hidden)
+        return self.proposer.propose(*args, num_rejected=rejected, num_drafts=num_drafts,
+                                     splice=splice)
 
     def _propose_tree(self, batch: StepBatch, sampled: torch.Tensor, hidden,
                       verified_tree, shape: str = "tree"
@@ -625,7 +638,7 @@ class LLMEngine:
         verified next step as a chain."""
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
-        args, rejected = self._head_inputs(batch, sampled, hidden)
+        args, rejected, _ = self._head_inputs(batch, sampled, hidden)
         if shape == "chain":
             return self.proposer.propose(
                 *args, num_rejected=rejected,
@@ -649,18 +662,18 @@ class LLMEngine:
         return None if n >= self.tree.num_nodes else batch_size * n
 
     def _head_inputs(self, batch: StepBatch, sampled: torch.Tensor, hidden
-                     ) -> tuple[tuple, torch.Tensor | None]:
+                     ) -> tuple[tuple, torch.Tensor | None, object | None]:
         """The head's first-forward inputs -> ((token ids, positions, hidden, next token ids,
         last token indices, metadata, draft KV caches), num_rejected [B] on the padded path
-        else None). Padded: rejected tokens stay as padding, no host sync; unpadded: they are
-        dropped on the host."""
+        else None, the head's image splice or None). Padded: rejected tokens stay as padding,
+        no host sync; unpadded: they are dropped on the host."""
         proposer = self.proposer
         if self.config.speculative.padded_drafting:
             next_ids, _, indices, rejected = proposer.prepare_padded(
                 sampled, batch.discard_request, batch.backup_next_token_ids, batch.common,
                 batch.num_draft_tokens)
             return (batch.input_ids, batch.positions, hidden, next_ids, indices, batch.common,
-                    self.draft_kv_caches), rejected
+                    self.draft_kv_caches), rejected, batch.head_splice
         sampled_cpu = sampled.tolist()
         next_ids = proposer.prepare_next_token_ids_cpu(
             sampled_cpu, batch.discard_request.tolist(), batch.backup_next_token_ids.tolist())
@@ -672,7 +685,8 @@ class LLMEngine:
         last = (common.query_start_loc[1:] - 1).long()
         return (batch.input_ids[kept], batch.positions[..., kept], hidden,
                 torch.tensor(next_ids, device=self.device), last, common,
-                self.draft_kv_caches), None
+                self.draft_kv_caches), None, \
+            batch.head_splice and batch.head_splice.kept(kept)
 
     def _num_positions(self) -> int:
         """Acceptance statistics positions: the chain length, or the tree's depth."""
