@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.checkpoints import TINY, _randomize, write_tiny_tokenizer
+from checkpoints import TINY, _randomize, write_tiny_tokenizer
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 150, 151, 152, 153
 MROPE_SECTION = [2, 3, 3]  # head_dim 16 -> 8 frequencies
@@ -82,7 +82,7 @@ def write_tiny_qwen2_vl(directory: str | Path, seed: int = 0, cyclic: bool = Fal
 def write_mrope_head(directory: str | Path, target_dir: str | Path, seed: int = 0) -> Path:
     """The cyclic EAGLE-1 head (tests/checkpoints.py) for a cyclic Qwen2-VL target, its config
     with the target's M-RoPE sections (vLLM's Qwen2.5-VL EAGLE heads use M-RoPE too)."""
-    from tests.checkpoints import write_cyclic_eagle1_head
+    from checkpoints import write_cyclic_eagle1_head
 
     directory, target_dir = Path(directory), Path(target_dir)
     # The head writers read a flat (Qwen2-style) config.json beside the LLM's weights.
