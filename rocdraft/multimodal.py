@@ -46,11 +46,10 @@ class RequestImages:
         return bisect.bisect_left(self.rows, start), bisect.bisect_left(self.rows, end)
 
 
-def read_multimodal_prompt(prompt: dict, target, tokenizer, add_placeholders: bool = False
+def read_multimodal_prompt(prompt: dict, target, tokenizer
                            ) -> tuple[list[int], RequestImages | None, str | None]:
     """A prompt dict -> (expanded token ids, its images or None, None), or
-    ([], None, why it cannot run). ``add_placeholders``: a prompt without image pads gets one
-    vision-start, pad, vision-end per image in front (the CLI's ``--image``)."""
+    ([], None, why it cannot run)."""
     unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "images"})
     given = [k for k in _PROMPT_KEYS if k in prompt]
     if unknown or len(given) != 1:
@@ -70,9 +69,6 @@ def read_multimodal_prompt(prompt: dict, target, tokenizer, add_placeholders: bo
         return [], None, (f"the target ({arch}) has no vision tower: {len(images)} image(s) "
                           f"need a vision-language target (Qwen2-VL)")
     pad = config.image_token_id
-    if add_placeholders and pad not in ids:
-        ids = [config.vision_start_token_id, pad, config.vision_end_token_id] * len(images) \
-            + ids
     num_pads = ids.count(pad)
     if num_pads != len(images):
         return [], None, (f"{len(images)} images for {num_pads} image-pad tokens (id {pad}) in "
@@ -86,6 +82,22 @@ def read_multimodal_prompt(prompt: dict, target, tokenizer, add_placeholders: bo
     mrope = rope_index(expanded, list(encoded.grids_thw), pad, config.merge_size)
     rows = [i for i, t in enumerate(expanded) if t == pad]
     return expanded, RequestImages(encoded.embeds, rows, mrope), None
+
+
+def with_images(prompt, images: list, target, tokenizer) -> dict:
+    """The CLI's ``--image``: a prompt (text or ids) and its images as a prompt dict; a prompt
+    without image-pad tokens gets one vision-start, pad, vision-end per image in front (after
+    a leading BOS); the engine refuses what is wrong (a text-only target, a pad count that
+    differs)."""
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    config = getattr(target, "vl_config", None)
+    ids, error = tokenize_prompt(prompt, tokenizer)
+    if config is None or error or config.image_token_id in ids:
+        return {key: prompt, "images": list(images)}
+    marks = [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
+    at = 1 if ids and ids[0] == target.config.bos_token_id else 0
+    return {"prompt_token_ids": ids[:at] + marks * len(images) + ids[at:],
+            "images": list(images)}
 
 
 def image_length_error(ids: list[int], images: RequestImages | None, max_model_len: int

@@ -75,8 +75,39 @@ def write_tiny_qwen2_vl(directory: str | Path, seed: int = 0, cyclic: bool = Fal
     save_file({k: v.contiguous() for k, v in state.items()}, str(path),
               metadata={"format": "pt"})
     (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
-    write_tiny_tokenizer(directory, TINY["vocab_size"])
+    write_vl_tokenizer(directory)
     return directory
+
+
+SPECIAL = {IMAGE_PAD: "<|image_pad|>", VIDEO_PAD: "<|video_pad|>",
+           VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>"}
+# Qwen2-VL's template in miniature: an image part is vision-start, one pad, vision-end.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}{% if m.content is string %} {{ m.content }}"
+                 "{% else %}{% for p in m.content %}{% if p.type == 'image' %}"
+                 "<|vision_start|><|image_pad|><|vision_end|>{% else %} {{ p.text }}{% endif %}"
+                 "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant"
+                 "{% endif %}")
+
+
+def write_vl_tokenizer(directory: Path) -> None:
+    """tests/checkpoints.py's word-level tokenizer with ids 150-153 renamed to the vision
+    special tokens (matched before the word split), and the chat template above."""
+    from tokenizers import Tokenizer
+
+    write_tiny_tokenizer(directory, TINY["vocab_size"])
+    raw = json.loads((directory / "tokenizer.json").read_text())
+    vocab = raw["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    for token_id, name in SPECIAL.items():
+        vocab.pop(by_id[token_id])
+        vocab[name] = token_id
+    (directory / "tokenizer.json").write_text(json.dumps(raw))
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.add_special_tokens(list(SPECIAL.values()))
+    tok.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def write_mrope_head(directory: str | Path, target_dir: str | Path, seed: int = 0) -> Path:
