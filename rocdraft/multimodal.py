@@ -71,9 +71,9 @@ def read_multimodal_prompt(prompt: dict, target, tokenizer
     pad = config.image_token_id
     num_pads = ids.count(pad)
     if num_pads != len(images):
-        return [], None, (f"{len(images)} images for {num_pads} image-pad tokens (id {pad}) in "
-                          f"the prompt; write one <|vision_start|><|image_pad|><|vision_end|> "
-                          f"per image")
+        return [], None, (f"{len(images)} image(s) for {num_pads} image-pad token(s) (id "
+                          f"{pad}) in the prompt; write one <|vision_start|><|image_pad|>"
+                          f"<|vision_end|> per image")
     try:
         encoded = target.encode_images(list(images))
     except ValueError as e:

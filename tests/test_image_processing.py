@@ -16,7 +16,7 @@ def test_smart_resize_rules():
     assert smart_resize(480, 640, **big) == (476, 644)
     assert smart_resize(70, 70, **big) == (56, 56)  # round half to even: 2.5 -> 2
     assert smart_resize(10, 10, **big) == (56, 56)  # below min_pixels: scaled up
-    assert smart_resize(2000, 3000, max_pixels=1_003_520) == (812, 1204)  # scaled down (transformers: the same)
+    assert smart_resize(2000, 3000, max_pixels=1_003_520) == (812, 1204)  # scaled down
     with pytest.raises(ValueError, match="aspect ratio must be at most 200, got 201.0"):
         smart_resize(10, 2010)
 
