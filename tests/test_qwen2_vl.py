@@ -218,3 +218,67 @@ def test_trees_refused_on_a_vision_language_target(vl):
 
 def test_placeholder_ids_in_the_vocabulary():
     assert (IMAGE_PAD, VISION_START, VISION_END) == (150, 152, 153)
+
+
+def test_qwen2_5_vl_refused_by_name(vl, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "q25"
+    shutil.copytree(vl["target"], path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl")
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="'Qwen2_5_VLForConditionalGeneration' is not "
+                                              "supported: Qwen2.5-VL"):
+        LLM(str(path))
+
+
+def test_drafts_clamped_at_max_model_len_with_images(vl, images, spec_reference):
+    """max_model_len 30: the last steps' drafts run past it (their M-RoPE positions trail the
+    sequence index by 6 after two images). Equal to target-only under the same limit, with
+    a fixed draft count and under the cost policy (the default; it measures its step costs on
+    this target)."""
+    prompts = spec_prompts(images)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(vl["cyclic"], max_model_len=30).generate(prompts,
+                                                                                   params)]
+    for policy in ("fixed", "cost"):
+        llm = LLM(vl["cyclic"], draft=vl["head"], max_model_len=30,
+                  speculative_config=SpeculativeConfig(method="eagle", num_speculative_tokens=4,
+                                                       draft_policy=policy))
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == expected
+        assert [o.finish_reason for o in outs] == ["length"] * 3
+        if policy == "fixed":
+            assert llm.last_stats.acceptance_length > 1.4
+
+
+def test_draft_steps_write_the_slots_of_their_sequence_index(vl, images, monkeypatch):
+    """After two images the M-RoPE positions trail the sequence index by 6: draft step i of
+    the prefill step writes the head's KV at index P - 1 + i (P the expanded prompt length),
+    not at the trailing position, which would overwrite the prompt's entries."""
+    import rocdraft.drafter.eagle as eagle_module
+
+    recorded = []
+
+    class Recording(eagle_module.DraftStepIndexer):
+        def step(self, index):
+            clamped, slots, seq_lens = super().step(index)
+            recorded.append((clamped.clone(), slots.clone(), seq_lens.clone()))
+            return clamped, slots, seq_lens
+    monkeypatch.setattr(eagle_module, "DraftStepIndexer", Recording)
+    llm = LLM(vl["cyclic"], draft=vl["head"], block_size=4,
+              speculative_config=SpeculativeConfig(method="eagle", num_speculative_tokens=3,
+                                                   draft_policy="fixed"))
+    llm.add_request("r", spec_prompts(images)[1], GREEDY)
+    req = llm.requests["r"]
+    prompt_len, delta = req.num_tokens, req.images.mrope.delta
+    assert delta == -6
+    llm.step()  # prefill: the head's first forward, then 2 draft steps
+    blocks = req.block_ids
+    for i, (clamped, slots, seq_lens) in enumerate(recorded[:2], start=1):
+        index = prompt_len - 1 + i
+        assert slots.tolist() == [blocks[index // 4] * 4 + index % 4]
+        assert seq_lens.tolist() == [index + 1]
+        assert clamped.tolist() == [[index + delta]] * 3
