@@ -1,5 +1,6 @@
-"""Qwen2-VL targets: the Qwen2 decoder with M-RoPE plus the vision tower, from a Hugging Face
-``Qwen2VLForConditionalGeneration`` checkpoint.
+"""Qwen2-VL and Qwen2.5-VL targets: the Qwen2 decoder with M-RoPE plus the vision tower, from
+a Hugging Face ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``
+checkpoint (the towers differ, models/vision.py; the decoder and positions do not).
 
 Keys: on disk (Hub, ``save_pretrained``) ``visual.*``, ``model.*`` (the Qwen2 LLM) and
 ``lm_head.weight`` (absent when tied); newer transformers name them ``model.visual.*`` and
@@ -31,20 +32,15 @@ from rocdraft.models.mrope import image_token_count
 from rocdraft.models.vision import VisionConfig, VisionTower
 from rocdraft.models.weights import copy_weights, load_state_dict
 
-VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration",)
-_REFUSED_VL = {"Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL (its window-attention "
-               "vision tower is not implemented yet; Qwen2-VL is)"}
+VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 _VL_MODEL_TYPES = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
                    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 def vl_architecture(raw: dict[str, Any]) -> str | None:
-    """The multimodal architecture a config.json names (supported or not), else None."""
+    """The vision-language architecture a config.json names, else None."""
     names = list(raw.get("architectures") or []) + [_VL_MODEL_TYPES.get(raw.get("model_type"))]
-    for name in names:
-        if name in VL_ARCHITECTURES or name in _REFUSED_VL:
-            return name
-    return None
+    return next((name for name in names if name in VL_ARCHITECTURES), None)
 
 
 def is_vl_checkpoint(path: str | Path) -> bool:
@@ -79,8 +75,6 @@ class VisionLanguageConfig:
     def from_dict(raw: dict[str, Any], generation_config: dict[str, Any] | None = None
                   ) -> "VisionLanguageConfig":
         arch = vl_architecture(raw)
-        if arch in _REFUSED_VL:
-            raise CheckpointError(f"architecture {arch!r} is not supported: {_REFUSED_VL[arch]}")
         if arch is None:
             raise CheckpointError(f"not a vision-language config: architectures "
                                   f"{raw.get('architectures')}; supported: {VL_ARCHITECTURES}")
@@ -96,9 +90,11 @@ class VisionLanguageConfig:
         if text_config.rope_scaling is None or "mrope_section" not in text_config.rope_scaling:
             raise CheckpointError(f"{arch} config has no rope_scaling.mrope_section (rope "
                                   f"settings {text_config.rope_scaling})")
-        vision = VisionConfig.from_dict(raw.get("vision_config") or {})
+        vision = VisionConfig.from_dict(raw.get("vision_config") or {},
+                                        qwen2_5=arch == "Qwen2_5_VLForConditionalGeneration")
         if vision.out_hidden_size != text_config.hidden_size:
-            raise CheckpointError(f"{arch}: vision_config.hidden_size {vision.out_hidden_size} "
+            field = "out_hidden_size" if vision.windowed else "hidden_size"
+            raise CheckpointError(f"{arch}: vision_config.{field} {vision.out_hidden_size} "
                                   f"(the merger's output) differs from the LLM hidden_size "
                                   f"{text_config.hidden_size}")
         ids = {}

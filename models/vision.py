@@ -10,8 +10,15 @@
 
 Config traps (Qwen2-VL ``vision_config``): ``embed_dim`` is the ViT width and ``hidden_size``
 the LLM's; ``hidden_act`` defaults to ``quick_gelu`` (x * sigmoid(1.702 x)); the merger's GELU
-is the exact (erf) one. Qwen2.5-VL's tower (RMSNorm, gated MLP, window attention) is refused
-by the loader (models/qwen2_vl.py).
+is the exact (erf) one.
+
+Qwen2.5-VL (``window_size`` set): ``hidden_size`` is the ViT width and ``out_hidden_size`` the
+LLM's; RMSNorm (weight only) for norm1 / norm2 / ln_q; ``mlp.{gate,up,down}_proj`` with bias,
+``down(act(gate) * up)``; window attention: rows (and their RoPE) are permuted by
+``window_index`` in groups of 4 (one merged token), so that each window of
+``window_size / 28`` x ``window_size / 28`` merged tokens per frame (edge windows partial) is
+contiguous; blocks in ``fullatt_block_indexes`` attend per frame, the others per window; the
+merger's output is permuted back.
 
 ViT 2-D RoPE: each patch's (row, column) in its image, listed in merge-block order
 (grid (1, 4, 6): (0,0), (0,1), (1,0), (1,1), (0,2), (0,3), (1,2), (1,3), (0,4), ...); the
@@ -28,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rocdraft.errors import CheckpointError
+from rocdraft.models.layers import RMSNorm
 from rocdraft.models.rope import rotate_half
 
 VISION_ROPE_THETA = 10000.0
@@ -48,6 +56,10 @@ class VisionConfig:
     patch_size: int = 14
     spatial_merge_size: int = 2
     temporal_patch_size: int = 2
+    # Qwen2.5-VL only (window_size None: Qwen2-VL's tower)
+    intermediate_size: int | None = None
+    window_size: int | None = None
+    fullatt_block_indexes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.hidden_act not in _ACTIVATIONS:
@@ -65,8 +77,27 @@ class VisionConfig:
     def patch_dim(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
+    @property
+    def windowed(self) -> bool:
+        return self.window_size is not None
+
     @staticmethod
-    def from_dict(raw: dict[str, Any]) -> "VisionConfig":
+    def from_dict(raw: dict[str, Any], qwen2_5: bool = False) -> "VisionConfig":
+        if qwen2_5:
+            missing = [k for k in ("depth", "hidden_size", "out_hidden_size", "num_heads",
+                                   "intermediate_size") if k not in raw]
+            if missing:
+                raise CheckpointError(f"Qwen2.5-VL vision_config lacks {missing}")
+            return VisionConfig(
+                depth=raw["depth"], embed_dim=raw["hidden_size"],
+                out_hidden_size=raw["out_hidden_size"], num_heads=raw["num_heads"],
+                hidden_act=raw.get("hidden_act") or "silu", in_channels=3,
+                patch_size=raw.get("patch_size", 14),
+                spatial_merge_size=raw.get("spatial_merge_size", 2),
+                temporal_patch_size=raw.get("temporal_patch_size", 2),
+                intermediate_size=raw["intermediate_size"],
+                window_size=raw.get("window_size", 112),
+                fullatt_block_indexes=tuple(raw.get("fullatt_block_indexes", (7, 15, 23, 31))))
         missing = [k for k in ("depth", "embed_dim", "hidden_size", "num_heads") if k not in raw]
         if missing:
             raise CheckpointError(f"Qwen2-VL vision_config lacks {missing}")
@@ -78,6 +109,28 @@ class VisionConfig:
             patch_size=raw.get("patch_size", 14),
             spatial_merge_size=raw.get("spatial_merge_size", 2),
             temporal_patch_size=raw.get("temporal_patch_size", 2))
+
+
+def window_index(grid_thw: tuple[int, int, int], merge_size: int, window: int
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's windows of one image: (t, h, w) in patches, ``window`` merged tokens per
+    side -> (merged-token order [t * h/m * w/m] that makes each window contiguous, window
+    lengths in merged tokens, empty ones dropped).
+
+    Example, merged grid 2 x 3, window 2: tokens [[0, 1, 2], [3, 4, 5]] -> windows
+    [0, 1, 3, 4], [2, 5] -> order [0, 1, 3, 4, 2, 5], lengths [4, 2].
+    """
+    t, h, w = grid_thw[0], grid_thw[1] // merge_size, grid_thw[2] // merge_size
+    order, lengths = [], []
+    for frame in range(t):
+        base = frame * h * w
+        for top in range(0, h, window):
+            for left in range(0, w, window):
+                rows = range(top, min(top + window, h))
+                cols = range(left, min(left + window, w))
+                order += [base + r * w + c for r in rows for c in cols]
+                lengths.append(len(rows) * len(cols))
+    return torch.tensor(order, dtype=torch.long), lengths
 
 
 def vision_rope_positions(grid_thw: tuple[int, int, int], merge_size: int) -> torch.Tensor:
@@ -126,14 +179,39 @@ class VisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class GatedVisionMLP(nn.Module):
+    """Qwen2.5-VL: ``down(act(gate x) * up x)``, every projection with a bias."""
+
+    def __init__(self, dim: int, hidden: int, act: str, **factory) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, **factory)
+        self.up_proj = nn.Linear(dim, hidden, **factory)
+        self.down_proj = nn.Linear(hidden, dim, **factory)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _norm(config: VisionConfig, dim: int, **factory) -> nn.Module:
+    """LayerNorm (Qwen2-VL) or RMSNorm (Qwen2.5-VL), eps 1e-6."""
+    if config.windowed:
+        return RMSNorm(dim, 1e-6, **factory)
+    return nn.LayerNorm(dim, eps=1e-6, **factory)
+
+
 class VisionBlock(nn.Module):
     def __init__(self, config: VisionConfig, **factory) -> None:
         super().__init__()
         dim = config.embed_dim
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6, **factory)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6, **factory)
+        self.norm1 = _norm(config, dim, **factory)
+        self.norm2 = _norm(config, dim, **factory)
         self.attn = VisionAttention(dim, config.num_heads, **factory)
-        self.mlp = VisionMLP(dim, int(dim * config.mlp_ratio), config.hidden_act, **factory)
+        if config.windowed:
+            self.mlp = GatedVisionMLP(dim, config.intermediate_size, config.hidden_act,
+                                      **factory)
+        else:
+            self.mlp = VisionMLP(dim, int(dim * config.mlp_ratio), config.hidden_act, **factory)
 
     def forward(self, x, cos, sin, segments):
         x = x + self.attn(self.norm1(x), cos, sin, segments)
@@ -158,7 +236,7 @@ class PatchMerger(nn.Module):
     def __init__(self, config: VisionConfig, **factory) -> None:
         super().__init__()
         merged = config.embed_dim * config.spatial_merge_size ** 2
-        self.ln_q = nn.LayerNorm(config.embed_dim, eps=1e-6, **factory)
+        self.ln_q = _norm(config, config.embed_dim, **factory)
         self.mlp = nn.Sequential(nn.Linear(merged, merged, **factory), nn.GELU(),
                                  nn.Linear(merged, config.out_hidden_size, **factory))
         self.merged = merged
@@ -202,6 +280,26 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)  # [n, embed_dim]
         cos, sin = self.rope(grids_thw, x.device)
         segments = [h * w for t, h, w in grids_thw for _ in range(t)]  # one per frame
-        for block in self.blocks:
-            x = block(x, cos, sin, segments)
-        return self.merger(x)
+        if not self.config.windowed:
+            for block in self.blocks:
+                x = block(x, cos, sin, segments)
+            return self.merger(x)
+        # Qwen2.5-VL: rows regrouped window by window (4 rows = one merged token move together)
+        unit = self.config.spatial_merge_size ** 2
+        order, windows, offset = [], [], 0
+        side = self.config.window_size // self.config.spatial_merge_size \
+            // self.config.patch_size
+        for grid in grids_thw:
+            index, lengths = window_index(grid, self.config.spatial_merge_size, side)
+            order.append(index + offset)
+            windows += [n * unit for n in lengths]
+            offset += index.numel()
+        merged_order = torch.cat(order).to(x.device)  # [n / unit]
+
+        def regroup(rows: torch.Tensor) -> torch.Tensor:
+            return rows.view(-1, unit, rows.shape[-1])[merged_order].reshape(rows.shape)
+        x, cos, sin = regroup(x), regroup(cos), regroup(sin)
+        for i, block in enumerate(self.blocks):
+            full = i in self.config.fullatt_block_indexes
+            x = block(x, cos, sin, segments if full else windows)
+        return self.merger(x)[torch.argsort(merged_order)]

@@ -6,6 +6,9 @@ lossless with an M-RoPE EAGLE head drafting from the spliced embeddings, drafts 
 and the bad inputs, each refused in one line naming the value."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -26,6 +29,7 @@ def vl(tmp_path_factory):
     cyclic = write_tiny_qwen2_vl(root / "cyclic", seed=3, cyclic=True, noise=2.2)
     return {"target": str(target),
             "in_memory_keys": str(write_tiny_qwen2_vl(root / "lm_keys", language_model_keys=True)),
+            "qwen2_5": str(write_tiny_qwen2_vl(root / "qwen2_5", seed=1, qwen2_5=True)),
             "cyclic": str(cyclic), "head": str(write_mrope_head(root / "head", cyclic)),
             "text_only": str(write_tiny_llama(root / "llama"))}
 
@@ -35,13 +39,21 @@ def images():
     return [make_image(70, 100, seed=1), make_image(60, 60, seed=2)]
 
 
+def transformers_model(path: str):
+    """transformers' Qwen2VLForConditionalGeneration (or Qwen2.5-VL's) from ``path``."""
+    import transformers
+
+    arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(path).float().eval()
+
+
 def transformers_greedy(path: str, ids: list[int], images: list, max_new_tokens: int = 12
                         ) -> list[int]:
-    """Greedy tokens of transformers' Qwen2VLForConditionalGeneration: the processor's pixels
-    and grids, the pads expanded as its processor does."""
-    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    """Greedy tokens of transformers' model: the processor's pixels and grids, the pads
+    expanded as its processor does."""
+    from transformers import Qwen2VLImageProcessorPil
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(path).float().eval()
+    model = transformers_model(path)
     kwargs = {}
     if images:
         pixels = Qwen2VLImageProcessorPil.from_pretrained(path)(images=images,
@@ -58,23 +70,27 @@ def transformers_greedy(path: str, ids: list[int], images: list, max_new_tokens:
     return out[0, len(ids):].tolist()
 
 
-def test_vision_tower_equals_transformers(vl, images):
-    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+@pytest.mark.parametrize("kind", ["target", "qwen2_5"])
+def test_vision_tower_equals_transformers(vl, images, kind):
+    """Qwen2-VL's tower, and Qwen2.5-VL's with windows (a 56 x 112 image: 2 windows, a 56 x 56
+    one: 1) and full-attention blocks."""
+    from transformers import Qwen2VLImageProcessorPil
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(vl["target"]).float().eval()
-    pixels = Qwen2VLImageProcessorPil.from_pretrained(vl["target"])(images=images,
-                                                                     return_tensors="pt")
+    model = transformers_model(vl[kind])
+    pixels = Qwen2VLImageProcessorPil.from_pretrained(vl[kind])(images=images,
+                                                                 return_tensors="pt")
     with torch.no_grad():
         out = model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
     expected = torch.cat(list(out.pooler_output))
-    ours = LLM(vl["target"]).target.encode_images(images)
+    ours = LLM(vl[kind]).target.encode_images(images)
     assert ours.grids_thw == tuple(map(tuple, pixels["image_grid_thw"].tolist()))
     torch.testing.assert_close(ours.embeds, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["target", "in_memory_keys"])
+@pytest.mark.parametrize("layout", ["target", "in_memory_keys", "qwen2_5"])
 def test_greedy_equals_transformers(vl, images, layout):
-    """Text only, one image, two images (one in the middle of the text)."""
+    """Text only, one image, two images (one in the middle of the text); Qwen2-VL in both key
+    layouts, and Qwen2.5-VL."""
     llm = LLM(vl[layout])
     one = image_prompt([1, 5, 9], [20, 33, 7])
     two = [1, 4] + image_prompt([8], [11, 12]) + image_prompt([6], [30])[1:]
@@ -83,7 +99,7 @@ def test_greedy_equals_transformers(vl, images, layout):
     outs = llm.generate(prompts, GREEDY)
     for out, (ids, imgs) in zip(outs, cases):
         assert out.error is None
-        assert out.token_ids == transformers_greedy(vl["target"], ids, imgs)
+        assert out.token_ids == transformers_greedy(vl[layout], ids, imgs)
 
 
 def test_string_prompts_and_paths(vl, images, tmp_path):
@@ -218,20 +234,6 @@ def test_trees_refused_on_a_vision_language_target(vl):
 
 def test_placeholder_ids_in_the_vocabulary():
     assert (IMAGE_PAD, VISION_START, VISION_END) == (150, 152, 153)
-
-
-def test_qwen2_5_vl_refused_by_name(vl, tmp_path):
-    import json
-    import shutil
-
-    path = tmp_path / "q25"
-    shutil.copytree(vl["target"], path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl")
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="'Qwen2_5_VLForConditionalGeneration' is not "
-                                              "supported: Qwen2.5-VL"):
-        LLM(str(path))
 
 
 def test_drafts_clamped_at_max_model_len_with_images(vl, images, spec_reference):

@@ -24,36 +24,47 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 5
                 "image_std": [0.26862954, 0.26130258, 0.27577711]}
 
 
-def tiny_vl_config(**text_overrides):
-    from transformers import Qwen2VLConfig
+def tiny_vl_config(qwen2_5: bool = False, **text_overrides):
+    """Qwen2-VL's config, or with ``qwen2_5`` Qwen2.5-VL's: 4 blocks (1 and 3 full attention,
+    0 and 2 windowed), windows of 56 pixels (2 x 2 merged tokens), so a 56 x 112 image has 2."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
     text = {k: v for k, v in TINY.items() if k != "head_dim"}
     text.update(num_hidden_layers=2, rope_parameters={
         "rope_type": "default", "mrope_section": list(MROPE_SECTION), "rope_theta": 1e6})
     text.update(text_overrides)
+    ids = dict(image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
+               vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+    if qwen2_5:
+        return Qwen2_5_VLConfig(
+            architectures=["Qwen2_5_VLForConditionalGeneration"], text_config=text,
+            vision_config=dict(depth=4, hidden_size=32, out_hidden_size=TINY["hidden_size"],
+                               num_heads=2, intermediate_size=48, window_size=56,
+                               fullatt_block_indexes=[1, 3]), **ids)
     return Qwen2VLConfig(
         architectures=["Qwen2VLForConditionalGeneration"], text_config=text,
         vision_config=dict(depth=2, embed_dim=32, hidden_size=TINY["hidden_size"], num_heads=2,
-                           mlp_ratio=2),
-        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END)
+                           mlp_ratio=2), **ids)
 
 
 def write_tiny_qwen2_vl(directory: str | Path, seed: int = 0, cyclic: bool = False,
                         noise: float = 1.1, sharpness: float = 16.0,
-                        language_model_keys: bool = False, **text_overrides) -> Path:
+                        language_model_keys: bool = False, qwen2_5: bool = False,
+                        **text_overrides) -> Path:
     """A tiny float32 Qwen2-VL checkpoint: config.json, model.safetensors (on-disk keys
     ``visual.*``, ``model.*``, ``lm_head.weight``; with ``language_model_keys`` the in-memory
     ``model.visual.*`` / ``model.language_model.*`` layout), preprocessor_config.json and a
-    tokenizer. ``cyclic``: the LLM follows a successor map (tests/checkpoints.py's cyclic
+    tokenizer; ``qwen2_5``: Qwen2.5-VL's tower. ``cyclic``: the LLM follows a successor map (tests/checkpoints.py's cyclic
     pairs), so the cyclic EAGLE-1 head drafts right on a known share of positions."""
     from safetensors.torch import load_file, save_file
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
     directory = Path(directory)
-    config = tiny_vl_config(**text_overrides)
+    config = tiny_vl_config(qwen2_5, **text_overrides)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).float()
+    model_cls = Qwen2_5_VLForConditionalGeneration if qwen2_5 else \
+        Qwen2VLForConditionalGeneration
+    model = model_cls(config).float()
     _randomize(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(directory)
     path = directory / "model.safetensors"
