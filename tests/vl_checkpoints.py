@@ -54,8 +54,9 @@ def write_tiny_qwen2_vl(directory: str | Path, seed: int = 0, cyclic: bool = Fal
     """A tiny float32 Qwen2-VL checkpoint: config.json, model.safetensors (on-disk keys
     ``visual.*``, ``model.*``, ``lm_head.weight``; with ``language_model_keys`` the in-memory
     ``model.visual.*`` / ``model.language_model.*`` layout), preprocessor_config.json and a
-    tokenizer; ``qwen2_5``: Qwen2.5-VL's tower. ``cyclic``: the LLM follows a successor map (tests/checkpoints.py's cyclic
-    pairs), so the cyclic EAGLE-1 head drafts right on a known share of positions."""
+    tokenizer; ``qwen2_5``: Qwen2.5-VL's tower. ``cyclic``: the LLM follows a successor map
+    (tests/checkpoints.py's cyclic pairs), so the cyclic EAGLE-1 head drafts right on a known
+    share of positions."""
     from safetensors.torch import load_file, save_file
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
