@@ -27,10 +27,15 @@ def vl(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl")
     target = write_tiny_qwen2_vl(root / "target")
     cyclic = write_tiny_qwen2_vl(root / "cyclic", seed=3, cyclic=True, noise=2.2)
+    # EAGLE-3 reads 3 target layers
+    cyclic3 = write_tiny_qwen2_vl(root / "cyclic3", seed=3, cyclic=True, noise=1.6,
+                                  num_hidden_layers=3)
     return {"target": str(target),
             "in_memory_keys": str(write_tiny_qwen2_vl(root / "lm_keys", language_model_keys=True)),
             "qwen2_5": str(write_tiny_qwen2_vl(root / "qwen2_5", seed=1, qwen2_5=True)),
             "cyclic": str(cyclic), "head": str(write_mrope_head(root / "head", cyclic)),
+            "cyclic3": str(cyclic3),
+            "head3": str(write_mrope_head(root / "head3", cyclic3, method="eagle3")),
             "text_only": str(write_tiny_llama(root / "llama"))}
 
 
@@ -169,6 +174,22 @@ def test_speculative_lossless_with_images(vl, images, spec_reference, padded, sa
     assert [o.token_ids for o in outs] == spec_reference[sampling]
     stats = llm.last_stats
     assert 1.4 < stats.acceptance_length < 4, stats.accepted_at_position  # ~1.7
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_eagle3_lossless_with_images(vl, images, padded, attention_backend):
+    """An EAGLE-3 head (aux hidden states of 3 target layers, M-RoPE, d2t vocabulary) on a
+    3-layer cyclic Qwen2-VL target: greedy and seeded equal target-only, drafts accepted."""
+    reference = LLM(vl["cyclic3"], attention_backend="TORCH_SDPA")
+    llm = LLM(vl["cyclic3"], draft=vl["head3"], attention_backend=attention_backend,
+              speculative_config=SpeculativeConfig(method="eagle3", num_speculative_tokens=3,
+                                                   padded_drafting=padded,
+                                                   draft_policy="fixed"),
+              max_num_batched_tokens=8)
+    for params in (GREEDY, SEEDED):
+        expected = [o.token_ids for o in reference.generate(spec_prompts(images), params)]
+        assert [o.token_ids for o in llm.generate(spec_prompts(images), params)] == expected
+        assert 1.3 < llm.last_stats.acceptance_length < 4  # ~1.7 to 2.2
 
 
 def test_head_drafts_from_spliced_embeddings(vl, images, monkeypatch):

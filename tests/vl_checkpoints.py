@@ -122,10 +122,12 @@ def write_vl_tokenizer(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def write_mrope_head(directory: str | Path, target_dir: str | Path, seed: int = 0) -> Path:
-    """The cyclic EAGLE-1 head (tests/checkpoints.py) for a cyclic Qwen2-VL target, its config
-    with the target's M-RoPE sections (vLLM's Qwen2.5-VL EAGLE heads use M-RoPE too)."""
-    from checkpoints import write_cyclic_eagle1_head
+def write_mrope_head(directory: str | Path, target_dir: str | Path, seed: int = 0,
+                     method: str = "eagle") -> Path:
+    """The cyclic EAGLE-1 (or with ``method`` "eagle3" EAGLE-3) head of tests/checkpoints.py
+    for a cyclic Qwen2-VL target, its config with the target's M-RoPE sections (vLLM's
+    Qwen2.5-VL EAGLE heads use M-RoPE too)."""
+    from checkpoints import write_cyclic_eagle1_head, write_cyclic_eagle3_head
 
     directory, target_dir = Path(directory), Path(target_dir)
     # The head writers read a flat (Qwen2-style) config.json beside the LLM's weights.
@@ -135,7 +137,8 @@ def write_mrope_head(directory: str | Path, target_dir: str | Path, seed: int = 
     (flat / "config.json").write_text(json.dumps({"head_dim": 16, **raw, **raw["text_config"]}))
     if not (flat / "model.safetensors").exists():
         (flat / "model.safetensors").symlink_to((target_dir / "model.safetensors").resolve())
-    directory = write_cyclic_eagle1_head(directory, flat, seed=seed)
+    writer = write_cyclic_eagle3_head if method == "eagle3" else write_cyclic_eagle1_head
+    directory = writer(directory, flat, seed=seed)
     config = json.loads((directory / "config.json").read_text())
     config["rope_scaling"] = {"type": "mrope", "mrope_section": list(MROPE_SECTION)}
     config["rope_theta"] = 1e6
