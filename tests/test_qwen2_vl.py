@@ -305,3 +305,18 @@ def test_draft_steps_write_the_slots_of_their_sequence_index(vl, images, monkeyp
         assert slots.tolist() == [blocks[index // 4] * 4 + index % 4]
         assert seq_lens.tolist() == [index + 1]
         assert clamped.tolist() == [[index + delta]] * 3
+
+
+def test_speculative_with_images_under_preemption(vl, images, spec_reference):
+    """A KV cache too small for the three requests at once: image requests are preempted
+    mid-decode and recompute their prompt (images spliced again) and drafts; greedy output
+    equals target-only."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(vl["cyclic"]).generate(spec_prompts(images), params)]
+    llm = LLM(vl["cyclic"], draft=vl["head"], block_size=4, num_kv_blocks=20, max_model_len=64,
+              speculative_config=SpeculativeConfig(method="eagle", num_speculative_tokens=3,
+                                                   draft_policy="fixed"))
+    outs = llm.generate(spec_prompts(images), params)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.last_stats.num_preemptions > 0
+    assert llm.last_stats.acceptance_length > 1.4
