@@ -320,3 +320,23 @@ def test_speculative_with_images_under_preemption(vl, images, spec_reference):
     assert [o.token_ids for o in outs] == expected
     assert llm.last_stats.num_preemptions > 0
     assert llm.last_stats.acceptance_length > 1.4
+
+
+def test_hub_config_layout(vl, images, tmp_path):
+    """The Hub's (transformers 4) config.json: the LLM's fields at the top, ``rope_scaling``
+    ``{"type": "mrope", "mrope_section"}`` and ``rope_theta``, ``in_chans`` in the vision
+    config: the same model, the same tokens."""
+    import shutil
+
+    path = tmp_path / "hub"
+    shutil.copytree(vl["target"], path)
+    raw = json.loads((path / "config.json").read_text())
+    text = raw.pop("text_config")
+    rope = text.pop("rope_parameters")
+    raw.update(text, model_type="qwen2_vl", rope_theta=rope["rope_theta"],
+               rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    raw["vision_config"]["in_chans"] = 3
+    (path / "config.json").write_text(json.dumps(raw))
+    prompt = [{"prompt_token_ids": image_prompt([1, 5, 9], [20, 33, 7]), "images": images[:1]}]
+    assert LLM(str(path)).generate(prompt, GREEDY)[0].token_ids == \
+        LLM(vl["target"]).generate(prompt, GREEDY)[0].token_ids
