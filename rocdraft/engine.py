@@ -43,7 +43,7 @@ from rocdraft.kv_budget import (check_sizing, head_cache_spec, kv_bytes_per_bloc
 from rocdraft.loading import load_draft_head, load_target_model
 from rocdraft.models.compiled_regions import compile_backend, compiled_regions
 from rocdraft.models.rope import reserve_positions
-from rocdraft.multimodal import image_length_error, read_multimodal_prompt
+from rocdraft.multimodal import image_prompt_error, read_multimodal_prompt
 from rocdraft.outputs import GenerationStats, RequestOutput
 from rocdraft.platform import detect_platform
 from rocdraft.prompts import prompt_error, tokenize_prompt
@@ -362,7 +362,7 @@ class LLMEngine:
             ids, error = tokenize_prompt(prompt, self.tokenizer)
         req = Request(request_id, ids, params, eos_token_ids=tuple(cfg.eos_token_ids),
                       images=images)
-        error = error or image_length_error(ids, images, self.max_model_len) \
+        error = error or image_prompt_error(ids, images, self.target, self.max_model_len) \
             or prompt_error(ids, cfg.vocab_size, self.max_model_len)
         if error:
             req.finish("error", error)

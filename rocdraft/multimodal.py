@@ -100,9 +100,15 @@ def with_images(prompt, images: list, target, tokenizer) -> dict:
             "images": list(images)}
 
 
-def image_length_error(ids: list[int], images: RequestImages | None, max_model_len: int
-                       ) -> str | None:
-    """The one-line refusal of a prompt whose images make it longer than max_model_len."""
+def image_prompt_error(ids: list[int], images: RequestImages | None, target,
+                       max_model_len: int) -> str | None:
+    """The one-line refusal of a prompt whose images make it longer than max_model_len, or
+    of image-pad tokens without images on a vision-language target, else None."""
+    config = getattr(target, "vl_config", None)
+    if images is None and config is not None and config.image_token_id in ids:
+        return (f"the prompt holds {ids.count(config.image_token_id)} image-pad token(s) (id "
+                f"{config.image_token_id}) but no images; pass {{'prompt' or "
+                f"'prompt_token_ids': ..., 'images': [...]}}")
     if images is None or len(ids) < max_model_len:
         return None
     return (f"prompt of {len(ids)} tokens ({len(images.rows)} of them image tokens) does not "

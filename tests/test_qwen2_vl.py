@@ -235,6 +235,9 @@ def test_bad_images_and_pad_counts(vl, images, tmp_path):
                               "images": [big] * 3})
     with pytest.raises(RocdraftError, match="takes one of"):
         llm.add_request("d", {"text": "hi", "images": []})
+    with pytest.raises(RocdraftError, match=r"holds 1 image-pad token\(s\) \(id 150\) but no "
+                                            r"images"):
+        llm.add_request("e", image_prompt([1], [2]))
     assert not llm.has_unfinished_requests()
 
 
