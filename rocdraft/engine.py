@@ -290,7 +290,7 @@ class LLMEngine:
 
     def add_request(self, request_id, prompt, params: SamplingParams | None = None) -> None:
         """Queue a request (it joins the batch at the next step). prompt: a string (needs a
-        tokenizer) or token ids. A RocdraftError naming the bad value for a duplicate id, a
+        tokenizer), token ids, or a dict with images (``LLM.generate``). A RocdraftError naming the bad value for a duplicate id, a
         prompt that cannot run or bad params; the engine is then unchanged."""
         if request_id in self.requests:
             raise RocdraftError(f"request id {request_id!r} is already in flight")
@@ -753,8 +753,10 @@ class LLM(LLMEngine):
 
     def generate(self, prompts: list, sampling_params: SamplingParams | list | None = None
                  ) -> list[RequestOutput]:
-        """prompts: strings (need a tokenizer) or lists of token ids; one SamplingParams for
-        all or one per prompt. A bad request fails alone (finish_reason "error")."""
+        """prompts: strings (need a tokenizer) or lists of token ids, or for a vision-language
+        target dicts ``{"prompt" | "prompt_token_ids": ..., "images": [...]}``
+        (rocdraft/multimodal.py); one SamplingParams for all or one per prompt. A bad request
+        fails alone (finish_reason "error")."""
         if not isinstance(prompts, (list, tuple)):
             raise RocdraftError(f"prompts must be a list of strings or of token-id lists, got "
                                 f"{type(prompts).__name__}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import socket
 import threading
 import time
 
@@ -22,10 +23,15 @@ from rocdraft.serve.app import ServeSettings, chat_renderer  # noqa: E402
 from rocdraft.serve.command import make_server  # noqa: E402
 from rocdraft.serve.images import image_part_bytes  # noqa: E402
 from rocdraft.serve.protocol import ApiError  # noqa: E402
-from test_serve_live import free_port  # noqa: E402
 from vl_checkpoints import make_image, write_mrope_head, write_tiny_qwen2_vl  # noqa: E402
 
 KEY = "k"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def data_url(image) -> str:
