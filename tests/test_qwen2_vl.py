@@ -343,3 +343,17 @@ def test_hub_config_layout(vl, images, tmp_path):
     prompt = [{"prompt_token_ids": image_prompt([1, 5, 9], [20, 33, 7]), "images": images[:1]}]
     assert LLM(str(path)).generate(prompt, GREEDY)[0].token_ids == \
         LLM(vl["target"]).generate(prompt, GREEDY)[0].token_ids
+
+
+def test_head_mrope_sections_must_sum_to_half_the_head_dim(vl, tmp_path):
+    import shutil
+
+    head = tmp_path / "head"
+    shutil.copytree(vl["head"], head)
+    config = json.loads((head / "config.json").read_text())
+    config["rope_scaling"] = {"type": "mrope", "mrope_section": [4, 4, 4]}
+    (head / "config.json").write_text(json.dumps(config))
+    with pytest.raises((CheckpointError, ValueError),
+                       match=r"mrope_section \[4, 4, 4\] must sum to head_dim // 2 = 8"):
+        LLM(vl["cyclic"], draft=str(head),
+            speculative_config=SpeculativeConfig(method="eagle", num_speculative_tokens=2))
