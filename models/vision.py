@@ -68,6 +68,10 @@ class VisionConfig:
         if self.embed_dim % self.num_heads or (self.embed_dim // self.num_heads) % 4:
             raise CheckpointError(f"vision_config: embed_dim {self.embed_dim} over num_heads "
                                   f"{self.num_heads} must give a head_dim divisible by 4")
+        merged_patch = self.spatial_merge_size * self.patch_size
+        if self.windowed and self.window_size < merged_patch:
+            raise CheckpointError(f"vision_config: window_size {self.window_size} must be at "
+                                  f"least spatial_merge_size * patch_size = {merged_patch}")
 
     @property
     def head_dim(self) -> int:
