@@ -75,9 +75,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[LayerKVCache], attn_metadata,
-                aux_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+                aux_layer_ids: tuple[int, ...] = (), splice=None) -> TargetOutput:
         """input_ids [num_tokens] int64, positions [num_tokens] (or [3, num_tokens] for M-RoPE);
-        ``kv_caches[i]`` is layer i's cache; ``attn_metadata`` what the backend's builder built."""
+        ``kv_caches[i]`` is layer i's cache; ``attn_metadata`` what the backend's builder built;
+        ``splice``: an EmbedSplice (models/embed_splice.py) of image embeddings, or None."""
         num_layers = len(self.layers)
         if len(kv_caches) != num_layers:
             raise ValueError(f"got {len(kv_caches)} KV caches for {num_layers} layers")
@@ -85,6 +86,8 @@ class LlamaForCausalLM(nn.Module):
         if bad:
             raise ValueError(f"aux_layer_ids {bad} out of range [0, {num_layers})")
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if splice is not None:
+            hidden = splice.apply(hidden)
         rope = self.rotary_emb.tables(positions, hidden.dtype)  # once per step, every layer
         if self.fused_kernels and self.regions is EAGER_REGIONS and runs_fused(hidden):
             normed, aux = fused_stack_forward(self._weights.get(self), hidden, rope, kv_caches,

@@ -8,6 +8,7 @@ from rocdraft.models.config import HeadConfig, load_model_config, read_config_js
 from rocdraft.models.draft_loader import load_draft
 from rocdraft.models.llama import load_target
 from rocdraft.models.mtp_loader import load_mtp_head
+from rocdraft.models.qwen2_vl import is_vl_checkpoint, load_qwen2_vl, load_vl_config
 from rocdraft.models.tokenizer import load_tokenizer
 
 
@@ -18,11 +19,17 @@ def load_target_model(path: str, dtype: torch.dtype, device: str, platform_kind:
     target's backend must declare besides the model's shapes (TREE_DRAFTING for trees). With
     a parallel ``group`` (distributed.group.ParallelGroup): this rank's shards
     (distributed.tp_model), their collectives counted in ``counter``."""
-    config = load_model_config(path)
+    vision_language = is_vl_checkpoint(path)
+    config = load_vl_config(path).text if vision_language else load_model_config(path)
     req = registry.ModelRequirements(block_size=block_size, head_dim=config.head_dim,
                                      dtype=dtype, features=features)
     backend = registry.select_backend(platform_kind, backend_name, req).backend
-    if group is not None and group.is_parallel:
+    if vision_language:  # Qwen2-VL: the decoder with M-RoPE plus the vision tower
+        if group is not None and group.is_parallel:
+            raise registry.RocdraftError(f"target {path}: a vision-language target runs at "
+                                         f"tensor_parallel_size 1 only")
+        model = load_qwen2_vl(path, dtype, device, backend)
+    elif group is not None and group.is_parallel:
         from rocdraft.distributed.tp_model import load_tp_target
 
         model = load_tp_target(path, group, dtype, device, backend, counter)
