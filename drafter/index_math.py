@@ -155,7 +155,7 @@ def draft_step_schedule(positions: torch.Tensor, seq_lens: torch.Tensor,
         (seq_lens.long() - 1).unsqueeze(-1) + steps  # [B, S] sequence index of each draft
     exceeds = index >= max_model_len  # [B, S]
     clamped = new_positions.masked_fill(exceeds, 0)
-    clamped_row = index.masked_fill(exceeds, 0)
+    clamped_row = clamped if positions.dim() == 1 else index.masked_fill(exceeds, 0)
     # clamped < max_model_len, so the column is inside any table covering max_model_len.
     block_ids = block_table.gather(1, clamped_row // block_size)  # [B, S]
     slots = (block_ids * block_size + clamped_row % block_size).masked_fill(exceeds,
