@@ -531,17 +531,12 @@ class _RecordedLLM(Exception):
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_sizing_flags_map_to_llm_arguments(capsys, ckpt, monkeypatch, flags, expected,
                                            command):
-    import dataclasses
+    import rocdraft.engine.args
 
-    import rocdraft.engine
+    def recording_args(*args, **kwargs):  # the engine arguments the flags give
+        raise _RecordedLLM(kwargs)
 
-    class RecordingLLM:  # the engine arguments the flags gave (those not at their default)
-        @classmethod
-        def from_engine_args(cls, args):
-            raise _RecordedLLM({f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-                                if f.init and getattr(args, f.name) != f.default})
-
-    monkeypatch.setattr(rocdraft.engine, "LLM", RecordingLLM)
+    monkeypatch.setattr(rocdraft.engine.args, "EngineArgs", recording_args)
     prompt = ("--prompt-ids", PROMPT_A) if command == "generate" else ()
     spec = ("--method", "eagle3", "--draft", ckpt["eagle3"]) if command == "bench" else ()
     with pytest.raises(_RecordedLLM) as info:
