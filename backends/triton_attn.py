@@ -80,6 +80,18 @@ class TritonAttnImpl(AttentionImpl):
         write_kv(key, value, kv_cache, common.slot_mapping)  # HIP when built, else Triton
         return unified_attention(query, kv_cache, common, self.scale)
 
+    def forward_rotating(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                         kv_cache: LayerKVCache, metadata: TritonAttnMetadata) -> torch.Tensor:
+        """qkv [num_tokens, Hq + 2 * Hk, head_dim] un-rotated -> [num_tokens, Hq, head_dim]:
+        RoPE on q and k fused with the NHD KV write (one Triton kernel), then attention."""
+        from rocdraft.backends.triton_kernels.rope_kv_write import rope_kv_write_triton
+        from rocdraft.backends.triton_kernels.unified_attention import unified_attention
+
+        common = metadata.common
+        query = rope_kv_write_triton(qkv, cos, sin_signed, self.num_heads, kv_cache,
+                                     common.slot_mapping)
+        return unified_attention(query, kv_cache, common, self.scale)
+
 
 def _triton_problem() -> str | None:
     try:

@@ -151,7 +151,7 @@ class EagleProposer:
                 target_hidden_states, next_token_ids: torch.Tensor,
                 last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
                 kv_caches: list[LayerKVCache], num_rejected: torch.Tensor | None = None,
-                num_drafts: int | None = None) -> torch.Tensor:
+                num_drafts: int | None = None, splice=None) -> torch.Tensor:
         """Chain drafting.
 
         target_token_ids [num_tokens], target_positions [num_tokens] (or [3, num_tokens] for
@@ -160,7 +160,8 @@ class EagleProposer:
         last_token_indices [B] (where each request samples), common: the target's metadata
         for these tokens, num_rejected [B] (padded path: rejected tokens still in the batch)
         num_drafts: how many drafts to produce this step (default and maximum
-        num_speculative_tokens)
+        num_speculative_tokens), splice: image embeddings over the head's image-pad rows
+        (models/embed_splice.py; the first forward only)
         -> draft token ids [B, num_drafts] int64 (target vocabulary).
         """
         num_drafts = self.num_speculative_tokens if num_drafts is None else num_drafts
@@ -170,7 +171,7 @@ class EagleProposer:
         batch_size = common.num_reqs
         sample_hidden = self.first_forward(target_token_ids, target_positions,
                                            target_hidden_states, next_token_ids,
-                                           last_token_indices, common, kv_caches)
+                                           last_token_indices, common, kv_caches, splice)
         draft_ids = self._greedy(sample_hidden)
         if num_drafts == 1:
             return draft_ids.view(-1, 1)
@@ -199,7 +200,7 @@ class EagleProposer:
     def first_forward(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
                       target_hidden_states, next_token_ids: torch.Tensor,
                       last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
-                      kv_caches: list[LayerKVCache]) -> torch.Tensor:
+                      kv_caches: list[LayerKVCache], splice=None) -> torch.Tensor:
         """The head over every target token of the step (ids shifted by one, the next token
         at each request's last index), written to the draft KV cache at the target's slots
         -> the head's output at ``last_token_indices`` [B, H]."""
@@ -213,7 +214,8 @@ class EagleProposer:
                                                last_token_indices)
         hidden = self.head.combine_hidden_states(target_hidden_states)  # [num_tokens, H]
         metadata = self.builder.build(common)
-        hidden = self.head(input_ids, target_positions, hidden, kv_caches, metadata)
+        extra = {} if splice is None else {"splice": splice}
+        hidden = self.head(input_ids, target_positions, hidden, kv_caches, metadata, **extra)
         return hidden[last_token_indices]  # [B, H]
 
     def propose_tree(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,

@@ -138,7 +138,9 @@ def draft_step_schedule(positions: torch.Tensor, seq_lens: torch.Tensor,
     """Every draft step's bookkeeping at once: equal to calling ``advance_draft_step``
     ``num_steps`` times (positions only grow, so a row that exceeds stays exceeded).
 
-    positions [B] int64 (or [3, B] M-RoPE, row 0 drives clamping and slots), seq_lens [B],
+    positions [B] int64 (or [3, B] M-RoPE: all rows advance, and the sequence index
+    ``seq_lens - 1 + step`` drives clamping and slots, since after an image the positions
+    trail it by -delta, models/mrope.py), seq_lens [B],
     block_table [B, max_blocks_per_seq] covering max_model_len
     -> (clamped_positions [B, num_steps] (or [3, B, num_steps]), slot_mapping [B, num_steps]
     int64, seq_lens [B, num_steps] int32); column i is draft step i + 1.
@@ -149,10 +151,11 @@ def draft_step_schedule(positions: torch.Tensor, seq_lens: torch.Tensor,
     """
     steps = torch.arange(1, num_steps + 1, dtype=torch.int32, device=positions.device)
     new_positions = positions.unsqueeze(-1) + steps  # [B, S] or [3, B, S], int64
-    first_row = new_positions if positions.dim() == 1 else new_positions[0]
-    exceeds = first_row >= max_model_len  # [B, S]
+    index = new_positions if positions.dim() == 1 else \
+        (seq_lens.long() - 1).unsqueeze(-1) + steps  # [B, S] sequence index of each draft
+    exceeds = index >= max_model_len  # [B, S]
     clamped = new_positions.masked_fill(exceeds, 0)
-    clamped_row = clamped if positions.dim() == 1 else clamped[0]
+    clamped_row = clamped if positions.dim() == 1 else index.masked_fill(exceeds, 0)
     # clamped < max_model_len, so the column is inside any table covering max_model_len.
     block_ids = block_table.gather(1, clamped_row // block_size)  # [B, S]
     slots = (block_ids * block_size + clamped_row % block_size).masked_fill(exceeds,

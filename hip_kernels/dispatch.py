@@ -65,9 +65,14 @@ def write_kv_hip(key: torch.Tensor, value: torch.Tensor, cache: LayerKVCache,
                  slot_mapping: torch.Tensor) -> None:
     """Write key/value [>= num_tokens, num_kv_heads, head_dim] to ``cache`` at slot_mapping
     [num_tokens] int64 (slots < 0 skipped), quantising for fp8 caches with the cache's scales.
-    Same contract as backends.kv_cache.write_kv_reference."""
-    _falling_back(lambda: ops.write_kv(key, value, cache.key, cache.value, slot_mapping,
-                                       cache.k_scale, cache.v_scale, cache.layout))
+    Same contract as backends.kv_cache.write_kv_reference.
+
+    Eager calls run the op's body (``ops.write_kv_impl``: the same checks and kernel) without
+    the custom-op wrapper, whose Python dispatch cost 3.6x the body (host µs per call:
+    scripts/bench_write_kv_host.py); under torch.compile the registered op is traced."""
+    op = ops.write_kv if torch.compiler.is_compiling() else ops.write_kv_impl
+    _falling_back(lambda: op(key, value, cache.key, cache.value, slot_mapping, cache.k_scale,
+                             cache.v_scale, cache.layout))
 
 
 def compact_kv_hip(cache: LayerKVCache, block_table: torch.Tensor, context_lens: torch.Tensor,

@@ -13,6 +13,11 @@ CPU tensors -> the CPU shim extension once a caller loaded it (build.load_cpu_sh
 otherwise -> the torch references (backends.kv_cache.write_kv_reference, drafter.index_math,
 backends.kv_compact.compact_kv_reference).
 All paths give identical results; the fake impls only check and shape.
+
+``write_kv_impl`` is ``rocdraft::write_kv``'s body as a plain function: eager callers
+(dispatch.write_kv_hip, once per layer per step) call it directly, because the custom op's
+own Python dispatch (ADInplaceOrView and autograd kernels, a dynamo-disable wrapper) cost
+3.6x the body on the host (scripts/bench_write_kv_host.py).
 """
 from typing import Optional
 
@@ -40,12 +45,15 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-@torch.library.custom_op("rocdraft::write_kv", mutates_args=("key_cache", "value_cache"))
-def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
-             slot_mapping: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
-             layout: str) -> None:
-    """key/value [>= num_tokens, num_kv_heads, head_dim] -> cache slots ``slot_mapping``
-    [num_tokens] int64 (slots < 0 skipped); fp8 caches store saturate(x / scale)."""
+def write_kv_impl(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+                  slot_mapping: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+                  layout: str) -> None:
+    """The body of ``rocdraft::write_kv`` (checks, then the extension or the reference), as a
+    plain function: eager callers (dispatch.write_kv_hip) call it directly. Through the custom
+    op a call also runs torch.library's Python ADInplaceOrView and autograd kernels (version
+    bumps after ``fill_defaults``, which rebuilds the schema's argument list once per
+    argument) and a dynamo-disable wrapper: 140 of 195 µs per call on the CI CPU
+    (scripts/bench_write_kv_host.py)."""
     checks.check_write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
                           layout)
     kernels = kernels_for(key.device)
@@ -57,6 +65,15 @@ def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
         k_scale = v_scale = None
     kernels.write_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
                      LAYOUT_CODES[layout], True, _stream(key.device))
+
+
+@torch.library.custom_op("rocdraft::write_kv", mutates_args=("key_cache", "value_cache"))
+def write_kv(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+             slot_mapping: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+             layout: str) -> None:
+    """key/value [>= num_tokens, num_kv_heads, head_dim] -> cache slots ``slot_mapping``
+    [num_tokens] int64 (slots < 0 skipped); fp8 caches store saturate(x / scale)."""
+    write_kv_impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout)
 
 
 @write_kv.register_fake

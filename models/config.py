@@ -20,9 +20,12 @@ from typing import Any
 
 from rocdraft.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# MiMo (XiaomiMiMo/MiMo-7B) is a Qwen2 trunk plus MTP layers (models/mtp.py).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
+                           "MiMoForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "mistral": "MistralForCausalLM"}
+                       "mistral": "MistralForCausalLM", "mimo": "MiMoForCausalLM"}
+_QWEN2_TRUNKS = ("Qwen2ForCausalLM", "MiMoForCausalLM")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "mrope")
 _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",),
                   "llama3": ("factor", "low_freq_factor", "high_freq_factor",
@@ -112,6 +115,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None  # recorded, not applied (full attention everywhere)
+    # MTP layers stored beside the trunk (models/mtp_loader.py); the trunk loader skips them.
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -125,6 +130,10 @@ class ModelConfig:
                   max_position_embeddings=self.max_position_embeddings)
         _check_heads(self.architecture, self.num_attention_heads, self.num_key_value_heads,
                      self.head_dim)
+        mtp = self.num_nextn_predict_layers
+        if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+            raise CheckpointError(f"{self.architecture}: num_nextn_predict_layers must be an "
+                                  f"integer >= 0, got {mtp!r}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise CheckpointError(f"rms_norm_eps ({self.rms_norm_eps}) and rope_theta "
                                   f"({self.rope_theta}) must be positive")
@@ -148,7 +157,7 @@ class ModelConfig:
             raise CheckpointError(f"{arch} config lacks {missing}")
         gen = generation_config or {}
         theta, scaling = parse_rope(raw)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch in _QWEN2_TRUNKS
         window = raw.get("sliding_window")
         if is_qwen2 and not raw.get("use_sliding_window", False):
             window = None
@@ -166,7 +175,8 @@ class ModelConfig:
             attention_bias=True if is_qwen2 else bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             eos_token_ids=_eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id")),
-            bos_token_id=None if bos is None else int(bos), sliding_window=window)
+            bos_token_id=None if bos is None else int(bos), sliding_window=window,
+            num_nextn_predict_layers=raw.get("num_nextn_predict_layers") or 0)
 
 
 @dataclass(frozen=True)

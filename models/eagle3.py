@@ -150,13 +150,15 @@ class Eagle3Head(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, kv_caches: list[LayerKVCache],
-                attn_metadata) -> torch.Tensor:
+                attn_metadata, splice=None) -> torch.Tensor:
         """input_ids [n] (next tokens), positions [n] (or the M-RoPE target's [3, n]: row 0
-        is used unless the head's own config has an mrope_section), hidden_states [n, H]
-        -> [n, H]."""
+        is used unless the head's own config has an mrope_section), hidden_states [n, H],
+        splice: image embeddings over image-pad rows (models/embed_splice.py) -> [n, H]."""
         if len(kv_caches) != 1:
             raise ValueError(f"EAGLE-3 has one layer, got {len(kv_caches)} KV caches")
         embeds = self.embed_tokens(input_ids)  # [n, H]
+        if splice is not None:
+            embeds = splice.apply(embeds)
         rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
         return midlayer_forward(self._weights.get(self), embeds, hidden_states.to(embeds.dtype),
                                 rope, kv_caches[0], attn_metadata, self.regions)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rocdraft.backends.base import AttentionBackend, AttentionImpl
-from rocdraft.backends.kv_cache import LayerKVCache
+from rocdraft.backends.kv_cache import LayerKVCache, write_kv_reference
 from rocdraft.models.rope import RopeTables, apply_rotary_tables
 
 
@@ -41,6 +41,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [num_tokens, hidden_size] -> (rms_norm(residual + x), residual + x): the
+    residual add and the norm that follows it, as the eager forward runs them (reference of
+    backends/triton_kernels/fused_norm.py)."""
+    hidden = residual + x
+    return rms_norm(hidden, weight, eps), hidden
 
 
 class RMSNorm(nn.Module):
@@ -146,10 +155,17 @@ class MlpWeights(NamedTuple):
     intermediate_size: int
 
 
+def silu_mul_reference(gate_up: torch.Tensor, size: int) -> torch.Tensor:
+    """gate_up [num_tokens, 2 * size] -> silu(gate) * up [num_tokens, size] (reference of
+    backends/triton_kernels/silu_mul.py)."""
+    # two slices: Tensor.split runs Python in torch/_tensor.py
+    return F.silu(gate_up[..., :size]).mul_(gate_up[..., size:])
+
+
 def gated_mlp_forward(w: MlpWeights, x: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, hidden_size] -> [num_tokens, hidden_size]: down(silu(gate) * up)."""
     gate_up = wide_linear(x, *w.gate_up)  # [num_tokens, 2 * intermediate]
-    size = w.intermediate_size  # two slices: Tensor.split runs Python in torch/_tensor.py
+    size = w.intermediate_size  # as silu_mul_reference, inline (one call fewer per layer)
     return apply_linear(F.silu(gate_up[..., :size]).mul_(gate_up[..., size:]), w.down)
 
 
@@ -175,6 +191,19 @@ def qkv_rope(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None,
     qkv_out = F.linear(x, *qkv).view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
     qk = apply_rotary_tables(qkv_out[:, :num_heads + num_kv_heads], RopeTables(cos, sin_signed))
     return qk[:, :num_heads], qk[:, num_heads:], qkv_out[:, num_heads + num_kv_heads:]
+
+
+def rope_kv_write_reference(qkv: torch.Tensor, rope: RopeTables, num_heads: int,
+                            cache: LayerKVCache, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """qkv [num_tokens, num_heads + 2 * num_kv_heads, head_dim] -> q [num_tokens, num_heads,
+    head_dim] rotated; rotated k and v written to ``cache`` at slot_mapping [num_slots]
+    (slots < 0 skipped): what ``qkv_rope`` and a backend's KV write do, in one function
+    (reference of backends/triton_kernels/rope_kv_write.py)."""
+    num_kv_heads = (qkv.shape[1] - num_heads) // 2
+    qk = apply_rotary_tables(qkv[:, :num_heads + num_kv_heads], rope)
+    write_kv_reference(qk[:, num_heads:], qkv[:, num_heads + num_kv_heads:], cache,
+                       slot_mapping)
+    return qk[:, :num_heads]
 
 
 def attention_forward(w: AttentionWeights, x: torch.Tensor, rope: RopeTables,
@@ -315,3 +344,16 @@ class Attention(nn.Module):
         """x [num_tokens, input_size], rope: the step's tables (``RotaryEmbedding.tables``)
         -> [num_tokens, hidden_size]. Writes this layer's K/V into ``kv_cache``."""
         return attention_forward(self.weights(), x, rope, kv_cache, attn_metadata)
+
+
+def add_block_parts(module: nn.Module, config,  # a models.config.ModelConfig
+                    attn_backend: type[AttentionBackend], **factory) -> None:
+    """The Llama / Qwen2 decoder block's parts as attributes of ``module`` (so their keys sit
+    directly under its prefix: a target layer's, or an MTP layer's beside its own parts)."""
+    hidden = config.hidden_size
+    module.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
+    module.self_attn = Attention(hidden, hidden, config.num_attention_heads,
+                                 config.num_key_value_heads, config.head_dim, attn_backend,
+                                 qkv_bias=config.attention_bias, **factory)
+    module.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
+    module.mlp = GatedMLP(hidden, config.intermediate_size, config.mlp_bias, **factory)

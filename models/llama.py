@@ -13,12 +13,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rocdraft import envs
 from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
-from rocdraft.models.layers import (EAGER_REGIONS, Attention, DecoderBlock, GatedMLP, RMSNorm,
+from rocdraft.models.fused_layers import fused_stack_forward, runs_fused
+from rocdraft.models.layers import (EAGER_REGIONS, DecoderBlock, RMSNorm, add_block_parts,
                                     decoder_forward, layer_weights, project)
+from rocdraft.models.mtp_loader import drop_mtp_keys
 from rocdraft.models.rope import RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 from rocdraft.models.weights import copy_weights, load_state_dict
@@ -36,19 +39,15 @@ class DecoderLayer(DecoderBlock):
     def __init__(self, config: ModelConfig, attn_backend: type[AttentionBackend],
                  device=None, dtype=None) -> None:
         super().__init__()
-        factory = dict(device=device, dtype=dtype)
-        hidden = config.hidden_size
-        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
-        self.self_attn = Attention(hidden, hidden, config.num_attention_heads,
-                                   config.num_key_value_heads, config.head_dim, attn_backend,
-                                   qkv_bias=config.attention_bias, **factory)
-        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, **factory)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, config.mlp_bias, **factory)
+        add_block_parts(self, config, attn_backend, device=device, dtype=dtype)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: type[AttentionBackend],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 fused_kernels: bool | None = None) -> None:
+        """``fused_kernels``: GPU forwards run models/fused_layers.py (None: the
+        ROCDRAFT_FUSED_KERNELS switch, on by default); CPU forwards never do."""
         super().__init__()
         factory = dict(device=device, dtype=dtype)
         self.config = config
@@ -62,6 +61,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         self._weights = WeightCache(layer_weights)  # models/weight_cache.py
         self.regions = EAGER_REGIONS  # or models/compiled_regions.py's
+        self.fused_kernels = envs.fused_kernels_enabled() if fused_kernels is None \
+            else fused_kernels
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -74,9 +75,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[LayerKVCache], attn_metadata,
-                aux_layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+                aux_layer_ids: tuple[int, ...] = (), splice=None) -> TargetOutput:
         """input_ids [num_tokens] int64, positions [num_tokens] (or [3, num_tokens] for M-RoPE);
-        ``kv_caches[i]`` is layer i's cache; ``attn_metadata`` what the backend's builder built."""
+        ``kv_caches[i]`` is layer i's cache; ``attn_metadata`` what the backend's builder built;
+        ``splice``: an EmbedSplice (models/embed_splice.py) of image embeddings, or None."""
         num_layers = len(self.layers)
         if len(kv_caches) != num_layers:
             raise ValueError(f"got {len(kv_caches)} KV caches for {num_layers} layers")
@@ -84,7 +86,14 @@ class LlamaForCausalLM(nn.Module):
         if bad:
             raise ValueError(f"aux_layer_ids {bad} out of range [0, {num_layers})")
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if splice is not None:
+            hidden = splice.apply(hidden)
         rope = self.rotary_emb.tables(positions, hidden.dtype)  # once per step, every layer
+        if self.fused_kernels and self.regions is EAGER_REGIONS and runs_fused(hidden):
+            normed, aux = fused_stack_forward(self._weights.get(self), hidden, rope, kv_caches,
+                                              attn_metadata, aux_layer_ids,
+                                              (self.norm.weight, self.norm.eps))
+            return TargetOutput(normed, aux)
         captured: dict[int, torch.Tensor] = {}
         for i, weights in enumerate(self._weights.get(self)):  # = self.layers[i], flattened
             if i in aux_layer_ids:
@@ -106,7 +115,7 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device | str
                 attn_backend: type[AttentionBackend]) -> LlamaForCausalLM:
     """Build the target from a HF checkpoint directory; every weight checked and copied."""
     config = load_model_config(path)
-    state = load_state_dict(path)
+    state = drop_mtp_keys(load_state_dict(path), config)  # MTP layers: models/mtp_loader.py
     model = LlamaForCausalLM(config, attn_backend, dtype, "meta")
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives the two tied names separate storage

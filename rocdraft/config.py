@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from rocdraft.errors import RocdraftError
 
-METHODS = ("eagle", "eagle3")
+METHODS = ("eagle", "eagle3", "mtp")  # mtp: the target's own draft layers (models/mtp.py)
 MAX_SPECULATIVE_TOKENS = 16
 DRAFT_POLICIES = ("cost", "fixed")
 DRAFT_COST_FIELDS = ("target_fixed", "target_per_token", "head_fixed", "head_per_token",
@@ -266,6 +266,11 @@ class EngineConfig:
         _check_str("draft_attention_backend", self.draft_attention_backend, optional=True)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise RocdraftError(f"unknown dtype {self.dtype!r}; valid: {DTYPES}")
-        if self.speculative is not None and not self.draft:
-            raise RocdraftError(f"speculative method {self.speculative.method!r} needs a draft "
-                                f"head directory (draft=...)")
+        method = self.speculative.method if self.speculative is not None else None
+        if method == "mtp" and self.draft:
+            raise RocdraftError(f"draft={str(self.draft)!r} was given with method 'mtp', whose "
+                                f"draft layers come from the target's own checkpoint; drop "
+                                f"draft")
+        if method not in (None, "mtp") and not self.draft:
+            raise RocdraftError(f"speculative method {method!r} needs a draft head directory "
+                                f"(draft=...)")

@@ -7,6 +7,8 @@
   can run the draft loop (FULL capture on a GPU), else the first in the priority list that can |
 | ``ROCDRAFT_AITER_ASM_LAYOUT`` | on: ROCM_AITER_FA uses aiter's split-K K/V layout | off |
 | ``ROCDRAFT_HIP_KERNELS`` | off: never build or load the HIP extension | on |
+| ``ROCDRAFT_FUSED_KERNELS`` | off: GPU forwards of the target run the unfused ops instead of
+  the fused Triton kernels (models/fused_layers.py; for A/B runs) | on |
 
 Switches accept ``1/true/yes/on`` and ``0/false/no/off`` (any case); unset or empty means the
 default, anything else is a ``RocdraftError`` naming the variable. A backend variable is a
@@ -25,9 +27,10 @@ ATTENTION_BACKEND = "ROCDRAFT_ATTENTION_BACKEND"
 DRAFT_ATTENTION_BACKEND = "ROCDRAFT_DRAFT_ATTENTION_BACKEND"
 AITER_ASM_LAYOUT = "ROCDRAFT_AITER_ASM_LAYOUT"
 HIP_KERNELS = "ROCDRAFT_HIP_KERNELS"
+FUSED_KERNELS = "ROCDRAFT_FUSED_KERNELS"
 TRUE_VALUES = ("1", "true", "yes", "on")
 FALSE_VALUES = ("0", "false", "no", "off")
-_SWITCH_DEFAULTS = {AITER_ASM_LAYOUT: False, HIP_KERNELS: True}
+_SWITCH_DEFAULTS = {AITER_ASM_LAYOUT: False, HIP_KERNELS: True, FUSED_KERNELS: True}
 
 
 def attention_backend() -> str | None:
@@ -72,6 +75,10 @@ def aiter_asm_layout() -> bool:
 
 def hip_kernels_enabled() -> bool:
     return _switch(HIP_KERNELS)
+
+
+def fused_kernels_enabled() -> bool:
+    return _switch(FUSED_KERNELS)
 
 
 def check_switches() -> None:

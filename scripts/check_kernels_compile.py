@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             source = ASTSource(spec.kernel, signature=spec.signature_dict(),
                                constexprs=spec.constexpr_dict())
-            compiled = triton.compile(source, target=GPUTarget(*target))
+            compiled = triton.compile(source, target=GPUTarget(*target),
+                                      options=dict(spec.options) or None)
         except Exception as exc:  # report every failure, then exit non-zero
             lines = str(exc).strip().splitlines() or [""]
             print(f"FAIL  {label}  {type(exc).__name__}: {lines[0]} {lines[-1][:300]}")

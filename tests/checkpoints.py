@@ -291,15 +291,15 @@ def successor_map(target_dir: str | Path) -> torch.Tensor:
 
 
 def write_cyclic_llama(directory: str | Path, seed: int = 0, noise: float = 1.1,
-                       sharpness: float = 16.0, **overrides) -> Path:
+                       sharpness: float = 16.0, kind: str = "llama", **overrides) -> Path:
     """A tiny untied llama (4 layers: few, so the Triton interpreter stays quick) whose greedy
     next token is mostly a fixed random permutation of the current token (see above). ``noise``
     scales every layer's o_proj and down_proj (0: always the permutation; 1.1 follows it about
     70% of the time); ``sharpness`` is the logit of the permutation's token before the noise.
-    ``overrides`` as for ``write_tiny_llama``."""
+    ``kind`` and ``overrides`` as for ``write_tiny_llama`` (``qwen2``: a MiMo trunk)."""
     from safetensors.torch import load_file, save_file
 
-    directory = write_tiny_llama(directory, kind="llama", seed=seed,
+    directory = write_tiny_llama(directory, kind=kind, seed=seed,
                                  **{"num_hidden_layers": 4, **overrides})
     path = directory / "model.safetensors"
     state = load_file(str(path))

@@ -1,6 +1,7 @@
 """The compile check's list (scripts/check_kernels_compile.py over catalog.compile_plan):
 every (target, dtype, KV-cache dtype) pair TRITON_ATTN declares is compiled for that target,
-for both the KV write and the attention kernel, and no undeclared pair is, so an fp8 format
+for the KV write, the attention kernel and the fused RoPE + KV write, and no undeclared pair
+is (the fused norm and SiLU-mul: every dtype on every target), so an fp8 format
 declared for an arch Triton cannot build for (e4m3fnuz on sm_90) fails in CI."""
 from __future__ import annotations
 
@@ -9,12 +10,28 @@ import torch
 from rocdraft.backends.triton_attn import TritonAttnBackend
 from rocdraft.backends.triton_kernels import catalog
 
-KERNELS = ("kv_write_kernel", "unified_attention_kernel")
+KERNELS = ("kv_write_kernel", "unified_attention_kernel", "rope_kv_write_kernel")
 
 
 def _compiled_pairs(kernel_name: str) -> set[tuple[str, torch.dtype, torch.dtype]]:
     return {(target.name, *spec.dtype_pair) for spec, target in catalog.compile_plan()
             if spec.dtype_pair is not None and spec.kernel_name == kernel_name}
+
+
+def _source_type(signature: dict[str, str]) -> str:
+    """The pointer type of a KV-writing kernel's input: query, key, or fused qkv."""
+    return next(signature[n] for n in ("query_ptr", "key_ptr", "qkv_ptr") if n in signature)
+
+
+def test_dense_fused_kernels_compile_for_every_dtype_and_target():
+    """Residual add + RMSNorm and SiLU-mul: every model dtype TRITON_ATTN declares, every
+    target (they touch no cache, so there is no cache dtype to pair)."""
+    dtypes = TritonAttnBackend.capabilities.dtypes
+    for kernel in ("add_rms_norm_kernel", "silu_mul_kernel"):
+        built = {(target.name, spec.signature_dict()["out_ptr"])
+                 for spec, target in catalog.compile_plan() if spec.kernel_name == kernel}
+        assert built == {(t, f"*{catalog.TRITON_TYPES[d]}") for t in catalog.ALL_TARGETS
+                         for d in dtypes}, kernel
 
 
 def _declared_pairs() -> set[tuple[str, torch.dtype, torch.dtype]]:
@@ -50,7 +67,7 @@ def test_no_entry_compiles_an_undeclared_pair():
         sig = dict(spec.signature)
         if "key_cache_ptr" not in sig:
             continue
-        source = sig.get("query_ptr", sig.get("key_ptr"))[1:]
+        source = _source_type(sig)[1:]
         cache = sig["key_cache_ptr"][1:]
         assert (target.name, by_name[source], by_name[cache]) in declared, \
             (spec.name, target.name)
@@ -72,8 +89,7 @@ def test_every_entry_types_its_pointers_with_the_pair():
         dtype, cache = (catalog.TRITON_TYPES[d] for d in spec.dtype_pair)
         sig = dict(spec.signature)
         assert sig["key_cache_ptr"] == sig["value_cache_ptr"] == f"*{cache}", spec.name
-        source = sig.get("query_ptr", sig.get("key_ptr"))
-        assert source == f"*{dtype}", spec.name
+        assert _source_type(sig) == f"*{dtype}", spec.name
 
 
 def test_compile_plan_respects_a_target_filter():
@@ -81,3 +97,17 @@ def test_compile_plan_respects_a_target_filter():
     plan = catalog.compile_plan(targets=gfx942)
     assert plan and {t.name for _, t in plan} == {"gfx942"}
     assert len(plan) == sum("gfx942" in s.targets for s in catalog.kernel_catalog())
+
+
+def test_fused_entries_compile_with_the_wrappers_launch_options():
+    """The RoPE + KV write launches without FP fusion and the norm with 8 warps at hidden 4096:
+    the compile check builds what runs."""
+    from rocdraft.backends.triton_kernels import fused_norm
+
+    for spec in catalog.kernel_catalog():
+        if spec.kernel_name == "rope_kv_write_kernel":
+            assert dict(spec.options) == {"enable_fp_fusion": False}, spec.name
+        elif spec.kernel_name == "add_rms_norm_kernel":
+            assert dict(spec.options) == {"num_warps": fused_norm.num_warps_for(4096)}
+        else:
+            assert spec.options == (), spec.name

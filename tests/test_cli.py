@@ -531,12 +531,12 @@ class _RecordedLLM(Exception):
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_sizing_flags_map_to_llm_arguments(capsys, ckpt, monkeypatch, flags, expected,
                                            command):
-    import rocdraft.engine
+    import rocdraft.engine.args
 
-    def recording_llm(*args, **kwargs):
+    def recording_args(*args, **kwargs):  # the engine arguments the flags give
         raise _RecordedLLM(kwargs)
 
-    monkeypatch.setattr(rocdraft.engine, "LLM", recording_llm)
+    monkeypatch.setattr(rocdraft.engine.args, "EngineArgs", recording_args)
     prompt = ("--prompt-ids", PROMPT_A) if command == "generate" else ()
     spec = ("--method", "eagle3", "--draft", ckpt["eagle3"]) if command == "bench" else ()
     with pytest.raises(_RecordedLLM) as info:

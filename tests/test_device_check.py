@@ -110,3 +110,14 @@ def test_deadline_guard_skips_the_remaining_steps_and_says_so(tmp_path):
     assert skipped == expected, summary
     assert "skip install: global deadline" in summary and "done in" in summary
     assert (out / "deps.txt").is_file() and not (out / "install.txt").exists()
+
+
+def test_bench_shapes_runs_the_8b_shape_at_bs_1_and_8_before_the_build():
+    """Issue 26: the device check measures Llama-3.1-8B's shape at bs 1 and 8 (with the
+    extension off, before its slow build) and the fused kernels' bandwidth."""
+    line = next(line for line in commands() if "scripts/bench_shapes.py" in line)
+    for flag in ("--shape llama-3.1-8b", "--device cuda", "--batch-size 1", "--batch-size 8"):
+        assert flag in line, line
+    order = [name for name, _ in steps()]
+    assert order.index("bench_shapes") < order.index("build_extension")
+    assert order.index("bench_fused_kernels") < order.index("build_extension")

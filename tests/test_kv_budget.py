@@ -158,13 +158,15 @@ def test_engine_refuses_a_budget_below_one_request(pair):
     (dict(num_kv_blocks=20, kv_cache_memory="1GiB"), "were given together"),
 ])
 def test_engine_refuses_bad_sizing_before_loading(pair, monkeypatch, sizing, fragment):
-    import rocdraft.engine
+    import rocdraft.engine.args
+    import rocdraft.engine.model_runner
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the target was loaded before the sizing settings were checked")
 
-    monkeypatch.setattr(rocdraft.engine, "load_target_model", no_loading)
-    monkeypatch.setattr(rocdraft.engine, "detect_platform", _cpu_platform)
+    monkeypatch.setattr(rocdraft.engine.model_runner, "load_target_model", no_loading)
+    for module in (rocdraft.engine.args, rocdraft.engine.model_runner):
+        monkeypatch.setattr(module, "detect_platform", _cpu_platform)
     with pytest.raises(RocdraftError, match=fragment):
         _spec_llm(pair, **sizing)
 

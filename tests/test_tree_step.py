@@ -1,5 +1,5 @@
 """Tree speculative decoding through the engine (rocdraft/sample/tree_step.py and the tree step of
-rocdraft/engine.py): greedy output equals target-only token for token for static (uniform and
+rocdraft/engine/llm_engine.py): greedy output equals target-only token for token for static (uniform and
 EAGLE's non-uniform) and EAGLE-2 dynamic trees, EAGLE-1 and EAGLE-3 heads, padded and unpadded
 drafting, ragged batches with chunked prefill, on every backend of the matrix; seeded sampling
 equals seeded target-only; unseeded sampling follows the target's distribution; the batch

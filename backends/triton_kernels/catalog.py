@@ -20,6 +20,7 @@ resources at run time (only a run on the hardware does).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,8 @@ import torch
 
 from rocdraft.backends.kv_cache import FP8_DTYPES
 from rocdraft.backends.triton_attn import TritonAttnBackend
-from rocdraft.backends.triton_kernels import (draft_step, kv_compact, kv_write,
-                                               unified_attention)
+from rocdraft.backends.triton_kernels import (draft_step, fused_norm, kv_compact, kv_write,
+                                               rope_kv_write, silu_mul, unified_attention)
 
 KERNEL_DIR = Path(__file__).resolve().parent
 
@@ -71,6 +72,9 @@ class KernelSpec:
     targets: tuple[str, ...] = ALL_TARGETS  # CompileTarget.name of every target it is built for
     # (dtype, KV-cache dtype) of a declared-pair entry; None for shape variants.
     dtype_pair: tuple[torch.dtype, torch.dtype] | None = None
+    # Compile options the wrapper launches with (num_warps, enable_fp_fusion), when not
+    # Triton's defaults.
+    options: tuple[tuple[str, object], ...] = ()
 
     @property
     def kernel_name(self) -> str:
@@ -158,6 +162,50 @@ def _attention(variant: str, dtype: torch.dtype, cache_dtype: torch.dtype, group
                  types, constexprs, ("_find_request",), targets, dtype_pair)
 
 
+def _rope_kv_write(variant: str, dtype: torch.dtype, cache_dtype: torch.dtype,
+                   targets: tuple[str, ...],
+                   dtype_pair: tuple[torch.dtype, torch.dtype] | None = None) -> KernelSpec:
+    """RoPE + NHD KV write at Llama-3.1-8B's decode tiling (one token: 32 q heads, 8 kv
+    heads, head_dim 128)."""
+    src, cache = TRITON_TYPES[dtype], TRITON_TYPES[cache_dtype]
+    kind = kv_write.cache_kind(cache_dtype if cache_dtype in FP8_DTYPES else torch.float32)
+    types = {"qkv_ptr": f"*{src}", "cos_ptr": f"*{src}", "sin_ptr": f"*{src}",
+             "q_out_ptr": f"*{src}", "key_cache_ptr": f"*{cache}",
+             "value_cache_ptr": f"*{cache}", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+             "slot_mapping_ptr": "*i64"}
+    fp8 = kind.code >= 2
+    constexprs = {"ROUND": fused_norm.ROUND_CODES[dtype], "CACHE_KIND": kind.code,
+                  "HAS_K_SCALE": fp8, "HAS_V_SCALE": fp8, "FP8_MAX": kind.fp8_max,
+                  "FP8_MIN_EXP": kind.fp8_min_exp, "BLOCK_T": 1, "BLOCK_HQ": 32,
+                  "BLOCK_HK": 8, "BLOCK_D": 128}
+    spec = _spec(f"rope_kv_write[{variant}]", rope_kv_write.rope_kv_write_kernel, types,
+                 constexprs, ("_rotated_rows", "_store_cache_rows", "_round_to_dtype_grid",
+                              "_round_to_bf16_grid", "_round_to_fp8_grid"), targets, dtype_pair)
+    return dataclasses.replace(spec, options=(("enable_fp_fusion", False),))
+
+
+def _dense_entries() -> list[KernelSpec]:
+    """Residual add + RMSNorm (hidden 4096, one row per program) and SiLU-and-multiply (1024
+    columns per program) for every model dtype TRITON_ATTN declares, on every target: they
+    touch no KV cache, so the model dtype is their whole pair."""
+    entries = []
+    for dtype in TritonAttnBackend.capabilities.dtypes:
+        t, code = TRITON_TYPES[dtype], fused_norm.ROUND_CODES[dtype]
+        entries.append(dataclasses.replace(_spec(
+            f"add_rms_norm[{SHORT_NAMES[dtype]}]", fused_norm.add_rms_norm_kernel,
+            {"x_ptr": f"*{t}", "residual_ptr": f"*{t}", "weight_ptr": f"*{t}",
+             "out_ptr": f"*{t}", "residual_out_ptr": f"*{t}", "eps": "fp32"},
+            {"ROUND": code, "BLOCK_T": 1, "BLOCK_H": 4096},
+            ("_round_to_dtype_grid", "_round_to_bf16_grid")),
+            options=(("num_warps", fused_norm.num_warps_for(4096)),)))
+        entries.append(_spec(
+            f"silu_mul[{SHORT_NAMES[dtype]}]", silu_mul.silu_mul_kernel,
+            {"gate_up_ptr": f"*{t}", "out_ptr": f"*{t}"},
+            {"ROUND": code, "BLOCK_T": 1, "BLOCK_N": silu_mul.GPU_BLOCK_N},
+            ("_round_to_dtype_grid", "_round_to_bf16_grid")))
+    return entries
+
+
 def declared_pairs(target: CompileTarget) -> tuple[tuple[torch.dtype, torch.dtype], ...]:
     """(dtype, KV-cache dtype) pairs TRITON_ATTN declares for ``target``: each dtype with a
     cache of its own dtype and with every fp8 format declared for the target's arch."""
@@ -167,8 +215,9 @@ def declared_pairs(target: CompileTarget) -> tuple[tuple[torch.dtype, torch.dtyp
 
 
 def _declared_pair_entries() -> list[KernelSpec]:
-    """One KV-write and one attention entry per declared pair, built for every target that
-    declares it (decode tiling with GQA 4: the launch every draft step makes)."""
+    """One KV-write, one attention and one RoPE + KV-write entry per declared pair, built for
+    every target that declares it (decode tiling with GQA 4: the launch every draft step
+    makes)."""
     targets_of: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
     for target in TARGETS:
         for pair in declared_pairs(target):
@@ -180,6 +229,7 @@ def _declared_pair_entries() -> list[KernelSpec]:
         entries.append(_kv_write(f"{label},NHD", dtype, cache, nhd, where, (dtype, cache)))
         entries.append(_attention(f"{label},decode,gqa4", dtype, cache, 4, 4, 16, False,
                                   where, dtype_pair=(dtype, cache)))
+        entries.append(_rope_kv_write(f"{label},NHD", dtype, cache, where, (dtype, cache)))
     return entries
 
 
@@ -188,6 +238,7 @@ def kernel_catalog() -> tuple[KernelSpec, ...]:
     split_k_bf16 = (1, 8, 8, 1)  # x = 8 elements of bf16 per 16 bytes
     return (
         *_declared_pair_entries(),
+        *_dense_entries(),
         _kv_write("bf16,SPLIT_K", torch.bfloat16, torch.bfloat16, split_k_bf16, ALL_TARGETS),
         _attention("bf16,prefill,gqa4,spec_mask", torch.bfloat16, torch.bfloat16, 4, 16, 64,
                    True, ALL_TARGETS),

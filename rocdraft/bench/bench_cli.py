@@ -268,7 +268,7 @@ def _run_bench(args) -> int:
         spec_llms[name], method = make_llm(own, sync_timing=True)
         if method == "none":
             raise RocdraftError("rocdraft bench compares against speculative decoding; "
-                                "give --method eagle or eagle3 (or use the built-in pair)")
+                                "give --method eagle, eagle3 or mtp (or use the built-in pair)")
     spec_llm = spec_llms[spec_names[0]]
     dtype = spec_llm.config.dtype  # the flag's value, or the device's default
     from rocdraft.builtin import builtin_paths

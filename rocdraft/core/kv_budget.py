@@ -217,8 +217,14 @@ def plan_kv_cache(*, block_size: int, bytes_per_block: int, max_num_seqs: int,
 def head_cache_spec(draft_dir: str, method: str) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a head's cache, from its config.json, before the
     head is loaded (so one budget can size both caches): EAGLE-3 heads run one layer,
-    EAGLE-1 heads ``num_hidden_layers`` (as their ``kv_cache_spec`` says)."""
+    EAGLE-1 heads ``num_hidden_layers`` (as their ``kv_cache_spec`` says); for method "mtp"
+    ``draft_dir`` is the target's directory and MTP layer 0 the one cached layer."""
     from rocdraft.models.config import HeadConfig, read_config_json
+
+    if method == "mtp":
+        from rocdraft.models.mtp_loader import mtp_cache_spec
+
+        return mtp_cache_spec(draft_dir)
 
     config = HeadConfig.from_dict(read_config_json(draft_dir))
     layers = 1 if method == "eagle3" else config.num_hidden_layers

@@ -35,6 +35,9 @@ class Request:
     num_preemptions: int = 0
     num_verify_steps: int = 0  # steps that verified at least one of its drafts
     num_accepted_drafts: int = 0
+    # A prompt with images: its vision-tower embeddings, image rows and M-RoPE positions
+    # (rocdraft/core/multimodal.py RequestImages), kept across preemption; None for text.
+    images: object | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ import torch
 from rocdraft.backends.kv_cache import PADDING_SLOT_ID
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.drafter.tree_index import host_depths, verify_tree_mask
+from rocdraft.core.multimodal import step_inputs as step_image_inputs
 from rocdraft.platform import host_to_device
 from rocdraft.core.scheduler import ScheduledRequest
 
@@ -27,6 +28,11 @@ class StepBatch:
     # Tree steps: each draft's parent (-1 = the root, also for padding) [batch_size, max_drafts]
     # int64, and common.spec_mask is [batch_size, max_drafts + 1, max_drafts + 1]. None: chain.
     draft_parents: torch.Tensor | None = None
+    # Prompts with images (rocdraft/core/multimodal.py): positions are then [3, num_tokens]
+    # (M-RoPE) and these replace the image-pad rows of the target's and the head's input
+    # embeddings (models/embed_splice.py EmbedSplice); None without images.
+    target_splice: object | None = None
+    head_splice: object | None = None
 
     @property
     def max_drafts(self) -> int:
@@ -50,10 +56,12 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     max_drafts = max((s.num_draft_tokens for s in scheduled), default=0)
     sample_rows, draft_rows, backups, table_rows = [], [], [], []
     tree_parents: list[list[int]] = []
+    image_rows = []  # (request, start, tokens computed, drafts) for rocdraft/core/multimodal.py
     is_tree = any(s.request.spec_parents for s in scheduled if s.num_draft_tokens)
     for item in scheduled:
         req, n, d = item.request, item.num_new_tokens, item.num_draft_tokens
         start = req.num_computed_tokens
+        image_rows.append((req, start, n - d, d))
         ids += req.token_ids_slice(start, start + n - d)
         ids += req.spec_token_ids[:d]
         if is_tree:
@@ -101,10 +109,13 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     def dev(values, dtype=torch.long):  # host list -> device without blocking the host
         return host_to_device(torch.tensor(values, dtype=dtype), device)
 
+    images = step_image_inputs(image_rows, positions, qsl, device)
     return StepBatch(
-        input_ids=dev(ids), positions=dev(positions), common=common,
+        input_ids=dev(ids), positions=dev(positions) if images is None else images.positions,
+        common=common,
         sample_indices=dev(sample_rows),
         draft_token_ids=dev(draft_rows).view(len(scheduled), max_drafts),
         num_draft_tokens=dev(num_drafts), num_draft_tokens_cpu=num_drafts, samples=samples,
         discard_request=dev([not s for s in samples], torch.bool),
-        backup_next_token_ids=dev(backups), draft_parents=draft_parents)
+        backup_next_token_ids=dev(backups), draft_parents=draft_parents,
+        target_splice=images and images.target_splice, head_splice=images and images.head_splice)

@@ -34,6 +34,7 @@ from rocdraft.distributed.validation import TensorParallelLayout, check_tensor_p
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import ModelConfig, load_model_config
 from rocdraft.models.llama import _ALLOWED_UNUSED, LlamaForCausalLM, _checkpoint_key
+from rocdraft.models.mtp_loader import trunk_keys
 from rocdraft.models.weights import check_dtype, checked_targets
 
 
@@ -124,7 +125,8 @@ def load_tp_target(path: str | Path, group: ParallelGroup, dtype: torch.dtype,
     skip = ("lm_head.",) if config.tie_word_embeddings else ()
     where = f"target checkpoint {path} (tensor-parallel rank {group.rank})"
     with ShardReader(path) as reader:
-        targets = checked_targets(model, reader.keys(), _checkpoint_key, skip, where,
+        targets = checked_targets(model, trunk_keys(reader.keys(), config), _checkpoint_key,
+                                  skip, where,
                                   _ALLOWED_UNUSED + (("lm_head.weight",) if skip else ()))
         for name, target in targets.items():
             key = _checkpoint_key(name)

@@ -21,6 +21,7 @@ from rocdraft.core.kv_budget import check_sizing
 from rocdraft.distributed.group import DEFAULT_TIMEOUT_S
 from rocdraft.errors import RocdraftError
 from rocdraft.models.compiled_regions import compile_backend
+from rocdraft.models.mtp_loader import check_mtp_target
 from rocdraft.platform import detect_platform
 
 GRAPH_MODES = ("auto", "replay-eagerly")
@@ -99,6 +100,8 @@ class EngineArgs:
         check_sizing(self.num_kv_blocks, self.kv_cache_memory, self.gpu_memory_utilization,
                      on_gpu=device != "cpu")
         spec = self.speculative_config
+        if isinstance(spec, SpeculativeConfig) and spec.method == "mtp":
+            check_mtp_target(self.target, self.tensor_parallel_size)
         tree = spec.draft_tree() if isinstance(spec, SpeculativeConfig) else None
         if tree is not None:
             check_tree(spec, tree, self.attention_backend, self.draft_attention_backend,
@@ -107,6 +110,13 @@ class EngineArgs:
             target=self.target, draft=self.draft, speculative=spec, dtype=self.dtype,
             device=device, attention_backend=self.attention_backend,
             draft_attention_backend=self.draft_attention_backend))
+
+    @property
+    def head_dir(self) -> str | None:
+        """Where the draft head's weights are: the head directory, or for method "mtp" the
+        target's own (its MTP layers, models/mtp_loader.py)."""
+        spec = self.speculative_config
+        return self.target if spec is not None and spec.method == "mtp" else self.draft
 
     @property
     def compile_backend(self) -> str | None:

@@ -14,8 +14,10 @@ from rocdraft.outputs import GenerationStats, RequestOutput
 class LLM(LLMEngine):
     def generate(self, prompts: list, sampling_params: SamplingParams | list | None = None
                  ) -> list[RequestOutput]:
-        """prompts: strings (need a tokenizer) or lists of token ids; one SamplingParams for
-        all or one per prompt. A bad request fails alone (finish_reason "error")."""
+        """prompts: strings (need a tokenizer) or lists of token ids, or for a vision-language
+        target dicts ``{"prompt" | "prompt_token_ids": ..., "images": [...]}``
+        (rocdraft/core/multimodal.py); one SamplingParams for all or one per prompt. A bad
+        request fails alone (finish_reason "error")."""
         params = _checked_params(prompts, sampling_params)
         if self.requests:
             raise RocdraftError(f"generate() called while {len(self.requests)} requests added "

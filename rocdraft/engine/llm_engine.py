@@ -19,6 +19,7 @@ import time
 
 from rocdraft.config import SamplingParams
 from rocdraft.core.kv_budget import head_cache_spec
+from rocdraft.core.multimodal import image_prompt_error, read_multimodal_prompt
 from rocdraft.core.prompts import prompt_error, tokenize_prompt
 from rocdraft.core.request import Request
 from rocdraft.core.scheduler import Scheduler, ScheduledRequest
@@ -56,7 +57,7 @@ class LLMEngine:
         # Slots a request needs past its tokens for the drafts of one step.
         lookahead = 0 if spec is None else draft_lookahead(self.tree) \
             if self.tree is not None else spec.num_speculative_tokens
-        head_specs = [head_cache_spec(args.draft, spec.method)] if spec else []
+        head_specs = [head_cache_spec(args.head_dir, spec.method)] if spec else []
         self.model_runner = ModelRunner(args, head_specs, lookahead, self.tree)
         self.policy = DraftPolicy(spec, self.tree) if spec else None
         self.draft_runner = load_draft_runner(
@@ -117,7 +118,8 @@ class LLMEngine:
 
     def add_request(self, request_id, prompt, params: SamplingParams | None = None) -> None:
         """Queue a request (it joins the batch at the next step). prompt: a string (needs a
-        tokenizer) or token ids. A RocdraftError naming the bad value for a duplicate id, a
+        tokenizer), token ids, or for a vision-language target a dict with images
+        (rocdraft/core/multimodal.py). A RocdraftError naming the bad value for a duplicate id, a
         prompt that cannot run or bad params; the engine is then unchanged."""
         if request_id in self.requests:
             raise RocdraftError(f"request id {request_id!r} is already in flight")
@@ -180,10 +182,16 @@ class LLMEngine:
     def make_request(self, request_id, prompt, params: SamplingParams) -> Request:
         """A Request for ``prompt`` (not queued); one that cannot run is already finished
         with "error" and says why."""
-        cfg = self.model_runner.target.config
-        ids, error = tokenize_prompt(prompt, self.tokenizer)
-        req = Request(request_id, ids, params, eos_token_ids=tuple(cfg.eos_token_ids))
-        error = error or prompt_error(ids, cfg.vocab_size, self.max_model_len)
+        target = self.model_runner.target
+        cfg, images = target.config, None
+        if isinstance(prompt, dict):  # {"prompt" | "prompt_token_ids", "images"}
+            ids, images, error = read_multimodal_prompt(prompt, target, self.tokenizer)
+        else:
+            ids, error = tokenize_prompt(prompt, self.tokenizer)
+        req = Request(request_id, ids, params, eos_token_ids=tuple(cfg.eos_token_ids),
+                      images=images)
+        error = error or image_prompt_error(ids, images, target, self.max_model_len) \
+            or prompt_error(ids, cfg.vocab_size, self.max_model_len)
         if error:
             req.finish("error", error)
         return req

@@ -7,6 +7,8 @@ from rocdraft.backends import registry
 from rocdraft.models.config import HeadConfig, load_model_config, read_config_json
 from rocdraft.models.draft_loader import load_draft
 from rocdraft.models.llama import load_target
+from rocdraft.models.mtp_loader import load_mtp_head
+from rocdraft.models.qwen2_vl import is_vl_checkpoint, load_qwen2_vl, load_vl_config
 from rocdraft.models.tokenizer import load_tokenizer
 
 
@@ -17,11 +19,17 @@ def load_target_model(path: str, dtype: torch.dtype, device: str, platform_kind:
     target's backend must declare besides the model's shapes (TREE_DRAFTING for trees). With
     a parallel ``group`` (distributed.group.ParallelGroup): this rank's shards
     (distributed.tp_model), their collectives counted in ``counter``."""
-    config = load_model_config(path)
+    vision_language = is_vl_checkpoint(path)
+    config = load_vl_config(path).text if vision_language else load_model_config(path)
     req = registry.ModelRequirements(block_size=block_size, head_dim=config.head_dim,
                                      dtype=dtype, features=features)
     backend = registry.select_backend(platform_kind, backend_name, req).backend
-    if group is not None and group.is_parallel:
+    if vision_language:  # Qwen2-VL: the decoder with M-RoPE plus the vision tower
+        if group is not None and group.is_parallel:
+            raise registry.RocdraftError(f"target {path}: a vision-language target runs at "
+                                         f"tensor_parallel_size 1 only")
+        model = load_qwen2_vl(path, dtype, device, backend)
+    elif group is not None and group.is_parallel:
         from rocdraft.distributed.tp_model import load_tp_target
 
         model = load_tp_target(path, group, dtype, device, backend, counter)
@@ -39,12 +47,17 @@ def load_draft_head(path: str, target, method: str, dtype: torch.dtype, device: 
     or under tensor parallelism the whole vocabulary tables standing in for it
     (``distributed.head_tables.VocabTables``). The backend is chosen by
     ``registry.select_draft_backend`` (``explicit``, else ROCDRAFT_DRAFT_ATTENTION_BACKEND, else
-    by what the draft loop needs); the head's format must match ``method``."""
-    head_dim = HeadConfig.from_dict(read_config_json(path)).head_dim
+    by what the draft loop needs); the head's format must match ``method``. For method
+    "mtp", ``path`` is the target's directory and the head its MTP layer
+    (models/mtp_loader.py)."""
+    head_dim = target.config.head_dim if method == "mtp" else \
+        HeadConfig.from_dict(read_config_json(path)).head_dim
     req = registry.ModelRequirements(block_size=block_size, head_dim=head_dim, dtype=dtype,
                                      features=features)
     selection = registry.select_draft_backend(platform_kind, target_backend, explicit, req,
                                               num_speculative_tokens, need_graphs, arch)
+    if method == "mtp":
+        return load_mtp_head(path, target, dtype, device, selection.backend), selection
     head = load_draft(path, target, dtype, device, selection.backend)
     head_method = "eagle3" if head.aux_layer_ids(target.config.num_hidden_layers) else "eagle"
     if head_method != method:
@@ -55,8 +68,9 @@ def load_draft_head(path: str, target, method: str, dtype: torch.dtype, device: 
 
 
 def load_draft_runner(args, runner, tree, chain_in_tree_mode: bool):
-    """Load the EAGLE head of ``args.draft`` beside ``runner`` (the ModelRunner: its target
-    gives the vocabulary tables, its plan the cache sizes) and build its DraftRunner. Under
+    """Load the draft head (``args.head_dir``: an EAGLE head, or a target's MTP layers)
+    beside ``runner`` (the ModelRunner: its target gives the vocabulary tables, its plan the
+    cache sizes) and build its DraftRunner. Under
     tensor parallelism the head runs on this rank alone, over whole copies of the target's
     vocabulary tables: its draft loop holds no collective (distributed/head_tables.py)."""
     from rocdraft.models.compiled_regions import compiled_regions
@@ -73,7 +87,7 @@ def load_draft_runner(args, runner, tree, chain_in_tree_mode: bool):
     # The registry picks the head's backend: the argument, else the env var, else the
     # target's when it can run the draft loop (captured on a GPU), else the first that can.
     head, selection = load_draft_head(
-        args.draft, vocab_source, spec.method, runner.torch_dtype, device, kind,
+        args.head_dir, vocab_source, spec.method, runner.torch_dtype, device, kind,
         args.block_size, runner.backend.name, args.draft_attention_backend,
         spec.num_speculative_tokens, need_graphs=kind != "cpu" and not spec.enforce_eager,
         arch=runner.arch,

@@ -30,6 +30,7 @@ from rocdraft.core.step_batch import StepBatch, build_step_batch
 from rocdraft.distributed.engine_setup import start_tensor_parallel, worker_spec
 from rocdraft.engine.args import EngineArgs
 from rocdraft.engine.loading import load_target_model
+from rocdraft.errors import RocdraftError
 from rocdraft.models.compiled_regions import compiled_regions
 from rocdraft.models.rope import reserve_positions
 from rocdraft.platform import TORCH_DTYPES, detect_platform
@@ -68,6 +69,11 @@ class ModelRunner:
             tree_features, executor and executor.group, executor and executor.counter)
         if executor is not None:
             self.target = executor.wrap_target(self.target)
+        if tree is not None and getattr(self.target, "vl_config", None) is not None:
+            spec = args.speculative_config
+            raise RocdraftError(f"{spec.tree_kind} tree drafting on the vision-language target "
+                                f"{args.target} is not supported (M-RoPE tree positions); use "
+                                f"a chain (num_speculative_tokens without a tree)")
         if args.compile_backend is not None:
             self.target.regions = compiled_regions(args.compile_backend)
         cfg = self.target.config
@@ -127,12 +133,13 @@ class ModelRunner:
                                 self.device)
 
     def forward(self, batch: StepBatch, aux_layer_ids: tuple[int, ...] = ()):
-        """The target forward over ``batch`` -> (model output: hidden_states [num_tokens, H]
-        and the inputs of ``aux_layer_ids``, logits [B, max_drafts + 1, V] at the sample
-        positions)."""
+        """The target forward over ``batch`` (with its image embeddings spliced in, for a
+        vision-language target) -> (model output: hidden_states [num_tokens, H] and the
+        inputs of ``aux_layer_ids``, logits [B, max_drafts + 1, V] at the sample positions)."""
         metadata = self.builder.build(batch.common)
+        images = {} if batch.target_splice is None else {"splice": batch.target_splice}
         out = self.target(batch.input_ids, batch.positions, self.kv_caches, metadata,
-                          aux_layer_ids=aux_layer_ids)
+                          aux_layer_ids=aux_layer_ids, **images)
         flat = batch.sample_indices.view(-1)
         logits = self.target.compute_logits(out.hidden_states[flat]).view(
             batch.common.num_reqs, batch.max_drafts + 1, -1)

@@ -53,6 +53,10 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt-ids", action="append", default=[],
                      help="comma-separated token ids (bypasses the tokenizer); may repeat")
     add_model_args(gen)
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image file for every prompt (repeat for several; a vision-"
+                          "language target: Qwen2-VL). A prompt without <|image_pad|> gets "
+                          "one <|vision_start|><|image_pad|><|vision_end|> per image in front")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -160,6 +164,10 @@ def run_generate(args) -> int:
                              seed=None if args.seed is None else args.seed + i,
                              ignore_eos=args.ignore_eos) for i in range(len(prompts))]
     llm, method = make_llm(args)
+    if args.image:
+        from rocdraft.core.multimodal import with_images
+
+        prompts = [with_images(p, args.image, llm.model_runner.target, llm.tokenizer) for p in prompts]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -39,9 +39,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--target", help="target model directory (default: the built-in pair)")
     p.add_argument("--draft", help="EAGLE head directory (default: the built-in pair's)")
-    p.add_argument("--method", choices=("none", "eagle", "eagle3"), default=None,
+    p.add_argument("--method", choices=("none", "eagle", "eagle3", "mtp"), default=None,
                    help="speculative method (default: eagle3 with the built-in pair, "
-                        "none with --target and no --draft)")
+                        "none with --target and no --draft); mtp drafts with the target's "
+                        "own MTP layers (MiMo, DeepSeek-V3 layout), no --draft")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-draft-tokens-per-step", type=int, default=None,
                    help="cap on drafts verified per step over the batch: each request "
@@ -109,8 +110,13 @@ def resolve_method(args) -> tuple[str, str | None, str]:
         pair = builtin_paths()
         target = require_builtin(pair.target)
         method = method or "eagle3"
-        if method != "none" and draft is None:
+        if method in ("eagle", "eagle3") and draft is None:
             draft = require_builtin(pair.eagle3 if method == "eagle3" else pair.eagle1)
+    if method == "mtp":
+        if draft:
+            raise RocdraftError(f"--draft {draft} was given with --method mtp, whose draft "
+                                f"layers come from the target's own checkpoint; drop --draft")
+        return target, None, method
     if method is None and draft:
         method = _head_method(draft)
     method = method or "none"
@@ -139,7 +145,7 @@ def make_llm_kwargs(args) -> dict:
         from rocdraft.errors import RocdraftError
 
         raise RocdraftError(f"{', '.join(tree_flags_given(args))} draft a token tree, which "
-                            f"needs --method eagle or eagle3 (got --method none)")
+                            f"needs --method eagle, eagle3 or mtp (got --method none)")
     import torch
 
     on_gpu = args.device == "cuda" or (args.device is None and torch.cuda.is_available())

@@ -76,10 +76,13 @@ def parse_chat(body, render) -> GenerationRequest:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects",
                        "messages")
-    checked = [_message(i, m) for i, m in enumerate(messages)]
+    images: list[bytes] = []  # image_url parts in message order (rocdraft/serve/images.py)
+    checked = [_message(i, m, images) for i, m in enumerate(messages)]
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _request("chat", body, (render(checked),), default_max_tokens=None)
+    prompt = render(checked)
+    return _request("chat", body, ({"prompt": prompt, "images": images} if images else prompt,),
+                    default_max_tokens=None)
 
 
 def _object(body) -> dict:
@@ -144,20 +147,30 @@ def _prompts(prompt) -> tuple:
                         f"list of token-id lists, got {_short(prompt)}", "prompt")
 
 
-def _message(index: int, message) -> dict:
+def _message(index: int, message, images: list[bytes]) -> dict:
+    """A checked message: text parts joined into one string, or with image_url parts (their
+    bytes appended to ``images``) the parts list the chat template renders, images as
+    ``{"type": "image"}``."""
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ApiError(400, f"{where} must be an object with a string 'role'", "messages")
     content = message.get("content")
-    if isinstance(content, list):  # content parts: only text can be served
-        texts = []
+    if isinstance(content, list):  # content parts: text, and images as base64 data: URLs
+        parts = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                from rocdraft.serve.images import image_part_bytes
+
+                images.append(image_part_bytes(part, f"{where}.content[{j}]"))
+                parts.append({"type": "image"})
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" \
                     or not isinstance(part.get("text"), str):
                 raise ApiError(400, f"{where}.content[{j}] must be {{'type': 'text', 'text': "
-                                    f"...}} (only text is supported)", "messages")
-            texts.append(part["text"])
-        content = "".join(texts)
+                                    f"...}} or an image_url part", "messages")
+            parts.append({"type": "text", "text": part["text"]})
+        has_image = any(p["type"] == "image" for p in parts)
+        content = parts if has_image else "".join(p["text"] for p in parts)
     elif content is None:
         content = ""
     elif not isinstance(content, str):

@@ -105,9 +105,9 @@ class DraftRunner:
         (``verified_tree``) the batch is first reordered root + accepted path first."""
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
-        args, rejected = self._head_inputs(batch, sampled, hidden)
+        args, rejected, splice = self._head_inputs(batch, sampled, hidden)
         return ChainDrafts(self.proposer.propose(*args, num_rejected=rejected,
-                                                 num_drafts=num_drafts))
+                                                 num_drafts=num_drafts, splice=splice))
 
     def propose_tree(self, batch: StepBatch, sampled: torch.Tensor, hidden,
                      verified_tree: TreeVerifyResult | None, budget: int | None) -> TreeDrafts:
@@ -116,22 +116,22 @@ class DraftRunner:
         makes the head's first forward the chain's."""
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
-        args, _ = self._head_inputs(batch, sampled, hidden)
+        args, _, _ = self._head_inputs(batch, sampled, hidden)  # (no trees with images)
         return self.proposer.propose_tree(*args, budget)
 
     def _head_inputs(self, batch: StepBatch, sampled: torch.Tensor, hidden
-                     ) -> tuple[tuple, torch.Tensor | None]:
+                     ) -> tuple[tuple, torch.Tensor | None, object | None]:
         """The head's first-forward inputs -> ((token ids, positions, hidden, next token ids,
         last token indices, metadata, draft KV caches), num_rejected [B] on the padded path
-        else None). Padded: rejected tokens stay as padding, no host sync; unpadded: they are
-        dropped on the host."""
+        else None, the head's image splice or None). Padded: rejected tokens stay as padding,
+        no host sync; unpadded: they are dropped on the host."""
         proposer = self.proposer
         if self.spec.padded_drafting:
             next_ids, _, indices, rejected = proposer.prepare_padded(
                 sampled, batch.discard_request, batch.backup_next_token_ids, batch.common,
                 batch.num_draft_tokens)
             return (batch.input_ids, batch.positions, hidden, next_ids, indices, batch.common,
-                    self.kv_caches), rejected
+                    self.kv_caches), rejected, batch.head_splice
         sampled_cpu = sampled.tolist()
         next_ids = proposer.prepare_next_token_ids_cpu(
             sampled_cpu, batch.discard_request.tolist(), batch.backup_next_token_ids.tolist())
@@ -143,7 +143,7 @@ class DraftRunner:
         last = (common.query_start_loc[1:] - 1).long()
         return (batch.input_ids[kept], batch.positions[..., kept], hidden,
                 torch.tensor(next_ids, device=proposer.device), last, common,
-                self.kv_caches), None
+                self.kv_caches), None, batch.head_splice and batch.head_splice.kept(kept)
 
 
 def drafts_to_host(drafts: ChainDrafts | TreeDrafts | None, keep_scores: bool) -> list | None:
