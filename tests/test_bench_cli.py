@@ -417,3 +417,23 @@ def test_bench_compare_policies_builtin_pair_side_by_side(capsys, tmp_path):
     capsys.readouterr()
     assert main(["bench", "--compare-policies", "--compare", "chain"]) != 0
     assert "give one of them" in capsys.readouterr().err
+
+
+def test_policy_systems_for_chain_and_tree_configs():
+    import argparse
+
+    from rocdraft.bench.bench_cli import policy_systems
+
+    args = argparse.Namespace(speculative_token_tree=None, tree_depth=None, tree_top_k=None,
+                              tree_total_tokens=None, num_speculative_tokens=3,
+                              draft_policy=None)
+    chain = policy_systems(args)
+    assert list(chain) == ["cost", "fixed_1", "fixed_2", "fixed_3"]
+    assert [(s.draft_policy, s.num_speculative_tokens) for s in chain.values()] == \
+        [("cost", 3), ("fixed", 1), ("fixed", 2), ("fixed", 3)]
+    args.tree_depth, args.tree_top_k, args.tree_total_tokens = 3, 2, 6
+    tree = policy_systems(args)
+    assert list(tree) == ["chooser", "tree", "chain"]
+    assert [s.draft_policy for s in tree.values()] == ["cost", "fixed", "fixed"]
+    assert tree["tree"].tree_depth == 3 and tree["chain"].tree_depth is None
+    assert tree["chain"].num_speculative_tokens == 3
