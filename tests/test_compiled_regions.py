@@ -70,10 +70,10 @@ def test_compiled_equals_eager_with_bounded_graphs(ckpt, method):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     eager = _llm(ckpt, method)
-    assert eager.target.regions is EAGER_REGIONS
+    assert eager.model_runner.target.regions is EAGER_REGIONS
     compiled = _llm(ckpt, method, compile="aot_eager")
-    assert compiled.target.regions is compiled_regions("aot_eager")
-    assert compiled.head.regions is compiled_regions("aot_eager")
+    assert compiled.model_runner.target.regions is compiled_regions("aot_eager")
+    assert compiled.draft_runner.head.regions is compiled_regions("aot_eager")
     for batch in (PROMPTS[:1], PROMPTS, PROMPTS[1:]):  # bs 1, 3, 2: prefill, decode, verify
         want = eager.generate(batch, GREEDY)
         got = compiled.generate(batch, GREEDY)

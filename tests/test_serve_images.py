@@ -21,8 +21,7 @@ from rocdraft.config import SamplingParams, SpeculativeConfig  # noqa: E402
 from rocdraft.engine import LLM  # noqa: E402
 from rocdraft.serve.app import ServeSettings, chat_renderer  # noqa: E402
 from rocdraft.serve.command import make_server  # noqa: E402
-from rocdraft.serve.images import image_part_bytes  # noqa: E402
-from rocdraft.serve.protocol import ApiError  # noqa: E402
+from rocdraft.serve.images import ImagePartError, image_part_bytes  # noqa: E402
 from vl_checkpoints import make_image, write_mrope_head, write_tiny_qwen2_vl  # noqa: E402
 
 KEY = "k"
@@ -128,7 +127,7 @@ def test_more_images_than_pads_in_the_template_output(servers):
 
 def test_image_part_shapes():
     assert image_part_bytes({"image_url": "data:image/png;base64,aGk="}, "m") == b"hi"
-    with pytest.raises(ApiError, match="must be base64"):
+    with pytest.raises(ImagePartError, match="must be base64"):
         image_part_bytes({"image_url": {"url": "data:image/png,raw"}}, "m")
-    with pytest.raises(ApiError, match="must be"):
+    with pytest.raises(ImagePartError, match="must be"):
         image_part_bytes({"image_url": {"uri": "x"}}, "m")

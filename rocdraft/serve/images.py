@@ -12,27 +12,28 @@ from __future__ import annotations
 import base64
 import binascii
 
-from rocdraft.serve.protocol import ApiError
+
+
+class ImagePartError(ValueError):
+    """A bad ``image_url`` part (the protocol answers it with a 400 naming the part)."""
 
 
 def image_part_bytes(part: dict, where: str) -> bytes:
-    """An ``image_url`` part -> the image file's bytes; ApiError 400 for anything but a
+    """An ``image_url`` part -> the image file's bytes; ImagePartError for anything but a
     base64 data: URL."""
     value = part.get("image_url")
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str):
-        raise ApiError(400, f"{where}.image_url must be {{'url': 'data:image/...;base64,...'}}, "
-                            f"got {str(value)[:60]!r}", "messages")
+        raise ImagePartError(f"{where}.image_url must be {{'url': 'data:image/...;base64,...'}}, "
+                             f"got {str(value)[:60]!r}")
     if not url.startswith("data:"):
-        raise ApiError(400, f"{where}: image_url {url[:80]!r} is not a data: URL; rocdraft "
-                            f"fetches nothing, send the image as data:image/...;base64,...",
-                       "messages")
+        raise ImagePartError(f"{where}: image_url {url[:80]!r} is not a data: URL; rocdraft "
+                             f"fetches nothing, send the image as data:image/...;base64,...")
     header, _, payload = url.partition(",")
     if not header.endswith(";base64") or not payload:
-        raise ApiError(400, f"{where}: image_url data: URL must be base64 "
-                            f"(data:image/...;base64,...), got {header[:60]!r}", "messages")
+        raise ImagePartError(f"{where}: image_url data: URL must be base64 "
+                             f"(data:image/...;base64,...), got {header[:60]!r}")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ApiError(400, f"{where}: image_url data: URL holds invalid base64",
-                       "messages") from None
+        raise ImagePartError(f"{where}: image_url data: URL holds invalid base64") from None

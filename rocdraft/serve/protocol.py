@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from rocdraft.config import SamplingParams
 from rocdraft.errors import RocdraftError
+from rocdraft.serve.images import ImagePartError, image_part_bytes
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop_token_ids",
                    "ignore_eos")
@@ -159,9 +160,10 @@ def _message(index: int, message, images: list[bytes]) -> dict:
         parts = []
         for j, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") == "image_url":
-                from rocdraft.serve.images import image_part_bytes
-
-                images.append(image_part_bytes(part, f"{where}.content[{j}]"))
+                try:
+                    images.append(image_part_bytes(part, f"{where}.content[{j}]"))
+                except ImagePartError as exc:
+                    raise ApiError(400, str(exc), "messages") from None
                 parts.append({"type": "image"})
                 continue
             if not isinstance(part, dict) or part.get("type") != "text" \
