@@ -49,8 +49,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "verifies min(k, cap // batch size) (default: no cap)")
     p.add_argument("--draft-policy", choices=DRAFT_POLICIES, default=None,
                    help="drafts verified per step: 'cost' picks the count that maximises "
-                        "expected tokens/s from measured costs and acceptance (the default), "
-                        "'fixed' always --num-speculative-tokens")
+                        "expected tokens/s from the run's own step times and acceptance (the "
+                        "default), 'fixed' always --num-speculative-tokens")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 on the CPU, bfloat16 on a GPU")
     p.add_argument("--block-size", type=int, default=16,
