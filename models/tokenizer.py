@@ -24,10 +24,25 @@ class Tokenizer:
         # special-token strings a template refers to (bos_token, eos_token, ...).
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
+        self._max_token_bytes: int | None = None
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for: the longest
+        vocabulary string (added tokens included) in UTF-8 bytes, times 4 when the tokenizer
+        normalizes text first (a composing normalizer folds up to 3 characters into one).
+        Vocabulary strings never stand for more bytes than they hold ("\u0120the" is " the",
+        "<0x0A>" one byte), so a text of B bytes needs at least B / max_token_bytes tokens.
+        Computed once (a pass over the vocabulary)."""
+        if self._max_token_bytes is None:
+            longest = max((len(t.encode("utf-8"))
+                           for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+            self._max_token_bytes = longest * (1 if self._tok.normalizer is None else 4)
+        return self._max_token_bytes
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -24,7 +24,8 @@ from distributed_helpers import live_children  # noqa: E402
 from rocdraft.builtin import builtin_paths  # noqa: E402
 from rocdraft.config import SamplingParams, SpeculativeConfig  # noqa: E402
 from rocdraft.engine import LLM  # noqa: E402
-from rocdraft.serve.app import ServeSettings, chat_renderer  # noqa: E402
+from rocdraft.serve.app import ServeSettings  # noqa: E402
+from rocdraft.serve.chat_template import chat_renderer  # noqa: E402
 from rocdraft.serve.command import make_server  # noqa: E402
 
 KEY = "test-key"

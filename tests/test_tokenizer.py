@@ -94,3 +94,13 @@ def test_chat_template_and_special_tokens_come_from_tokenizer_config(tok_dir):
     assert load_tokenizer(tok_dir).chat_template == "D"
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     assert load_tokenizer(tok_dir).chat_template is None
+
+
+def test_max_token_bytes_bounds_the_token_count(tok_dir):
+    """No text tokenizes into fewer than len(utf-8 bytes) / max_token_bytes tokens."""
+    tok = load_tokenizer(tok_dir)
+    longest = tok.max_token_bytes
+    assert longest >= 1
+    for text in ("hello world", "x = 1\n" * 50, "日本語 wörld " * 20, "a" * 999):
+        ids = tok.encode(text)
+        assert len(ids) >= len(text.encode()) / longest, text
