@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def too_large(max_request_bytes: int, what: str) -> ApiError:
-    return ApiError(413, f"the request body is {what}, over the limit of {max_request_bytes} "
-                         f"bytes (--max-request-bytes)", code="request_too_large")
+    return ApiError(413, f"the request body is {what}; the limit is {max_request_bytes} bytes "
+                         f"(--max-request-bytes)", code="request_too_large")
 
 
 class RequestGuard:
@@ -54,7 +54,7 @@ class RequestGuard:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise too_large(limit, f"over {received} bytes")
+                    raise too_large(limit, f"at least {received} bytes (counted as it came)")
             return message
 
         started = False
@@ -67,6 +67,9 @@ class RequestGuard:
         where = f"{scope.get('method')} {scope.get('path')}"
         try:
             await self.app(scope, limited_receive, tracking_send)
+        except ApiError as exc:  # the 413 of a body that streamed past the limit, where the
+            if not started:       # app has no handler of its own (a plain Starlette app)
+                await send_error(send, exc)
         except asyncio.CancelledError:
             log.warning("%s: cancelled (the server is shutting down)", where)
             raise
