@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rocdraft.models.config import checkpoint_dir, read_json
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from rocdraft.errors import CheckpointError, RocdraftError
+from rocdraft.models.config import checkpoint_dir, read_json
 
 
 class Tokenizer:

@@ -4,14 +4,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from checkpoints import write_tiny_tokenizer
-from rocdraft.models.tokenizer import load_tokenizer
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 from transformers import AutoTokenizer
 
+from checkpoints import write_tiny_tokenizer
 from rocdraft.builtin import builtin_paths
 from rocdraft.errors import CheckpointError, RocdraftError
+from rocdraft.models.tokenizer import load_tokenizer
 
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "", "one two zzz"]
 
