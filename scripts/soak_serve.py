@@ -8,15 +8,18 @@ resident memory flat.
 Each of ``--concurrency`` client threads loops until the time is up, picking at random:
 
     stream       a streaming completion read to [DONE]
-    stream-cut   a streaming completion dropped after a few chunks (client gone)
-    plain        a non-streaming completion or chat request
-    plain-cut    a non-streaming request whose client gives up after 0.2 s
+    stream-cut   a streaming completion as long as the context allows, dropped after a few
+                 chunks (client gone: the server must abort it)
+    plain        a non-streaming completion
+    plain-cut    a non-streaming request as long as the context allows, whose client gives
+                 up after 0.2 s
     bad          a bad body (not JSON, 100,000 '[', wrong types, max_tokens 10**9, stop ids
                  outside the vocabulary, over --max-request-bytes): must be a JSON 4xx
     health       GET /health: must be 200
 
 Any other answer (a 5xx, a non-JSON error, a stream not ending in [DONE]) counts as an
-error. RSS is sampled from /proc every second; "flat" compares the mean of the last tenth of
+error. A server that went on generating for clients that left would still be busy long after
+the load stops: it must be idle within ``--idle-timeout`` seconds. RSS is sampled from /proc every second; "flat" compares the mean of the last tenth of
 the run with the mean of the tenth after the warm-up (the first fifth), and allows
 ``--max-rss-growth-mb``. The report is one JSON document on stdout; exit status 0 only when
 there was no error, the server went idle within 30 s and RSS stayed flat.
@@ -56,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pid", type=int, default=None, help="the running server's pid (its RSS)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-rss-growth-mb", type=float, default=50.0)
+    p.add_argument("--idle-timeout", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve-flag", action="append", default=[],
                    help="extra flag for the server this script starts (repeatable)")
@@ -108,6 +112,8 @@ class Soak:
         self.counts: Counter = Counter()
         self.errors: list[str] = []
         self.lock = threading.Lock()
+        models = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+        self.long_tokens = models["max_model_len"] - 16  # prompts are under 16 tokens
 
     def error(self, kind: str, what: str) -> None:
         with self.lock:
@@ -125,7 +131,10 @@ class Soak:
         with self.lock:
             self.counts[kind] += 1
         if kind.startswith("stream"):
-            with client.stream("POST", "/v1/completions", json=self.body(rng, True)) as r:
+            body = self.body(rng, True)
+            if kind == "stream-cut":
+                body.update(max_tokens=self.long_tokens, ignore_eos=True)
+            with client.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     return self.check_json_error(kind, r.status_code, r.read())
                 lines = [x for x in r.iter_lines() if x.startswith("data: ")] \
@@ -138,7 +147,8 @@ class Soak:
                 self.check_json_error(kind, r.status_code, r.content, allow_4xx=False)
         elif kind == "plain-cut":
             try:
-                client.post("/v1/completions", json={**self.body(rng, False), "max_tokens": 200,
+                client.post("/v1/completions", json={**self.body(rng, False),
+                                                     "max_tokens": self.long_tokens,
                                                      "ignore_eos": True},
                             timeout=httpx.Timeout(30, read=0.2))
             except httpx.ReadTimeout:
@@ -221,7 +231,7 @@ def main(argv=None) -> int:
             time.sleep(1.0)
         for t in threads:
             t.join()
-        idle_s = wait_idle(url)
+        idle_s = wait_idle(url, args.idle_timeout)
         after = rss_mb(pid)
 
         def mean_between(a: float, b: float) -> float:
