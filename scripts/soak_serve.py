@@ -19,10 +19,11 @@ Each of ``--concurrency`` client threads loops until the time is up, picking at 
 
 Any other answer (a 5xx, a non-JSON error, a stream not ending in [DONE]) counts as an
 error. A server that went on generating for clients that left would still be busy long after
-the load stops: it must be idle within ``--idle-timeout`` seconds. RSS is sampled from /proc every second; "flat" compares the mean of the last tenth of
-the run with the mean of the tenth after the warm-up (the first fifth), and allows
-``--max-rss-growth-mb``. The report is one JSON document on stdout; exit status 0 only when
-there was no error, the server went idle within 30 s and RSS stayed flat.
+the load stops: it must be idle within ``--idle-timeout`` seconds. RSS is sampled from /proc
+every second; "flat" compares the mean of the last tenth of the run with the mean of the
+tenth after the warm-up (the first fifth), and allows ``--max-rss-growth-mb``. The report is
+one JSON document on stdout; exit status 0 only when there was no error, the server went idle
+in time and RSS stayed flat.
 """
 from __future__ import annotations
 
