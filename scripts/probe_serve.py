@@ -156,12 +156,22 @@ def load() -> dict:
         stop(proc)
 
 
+def tp_worker(pid: int) -> int:
+    """The spawned tensor-parallel worker of server ``pid`` (not multiprocessing's resource
+    tracker, its other child)."""
+    for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                text=True).stdout.split():
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            cmdline = f.read()
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return int(child)
+    raise SystemExit(f"server {pid} has no tensor-parallel worker")
+
+
 def tp_death() -> dict:
     proc, url = start("--tensor-parallel-size", "2")
     try:
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                  text=True).stdout.split()
-        worker = int(children[0])
+        worker = tp_worker(proc.pid)
         os.kill(worker, signal.SIGKILL)
         killed = time.monotonic()
         with httpx.Client(timeout=5) as client:
