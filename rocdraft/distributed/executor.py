@@ -260,6 +260,8 @@ class _Ranks:
     def call(self, op, local, input_ids, positions, common, hidden, compact=None):
         with self.lock:
             if self.closed or self.failure:
+                if not self.closed:  # the watch saw a death while a call held the lock
+                    self._abort()
                 raise RocdraftError(f"the tensor-parallel engine is shut down"
                                     f"{': ' + self.failure if self.failure else ''}; build a "
                                     f"new LLM")
