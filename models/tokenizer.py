@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
 
 from rocdraft.errors import CheckpointError, RocdraftError
 from rocdraft.models.config import checkpoint_dir, read_json
@@ -24,10 +25,25 @@ class Tokenizer:
         # special-token strings a template refers to (bos_token, eos_token, ...).
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
+        self._max_token_bytes: int | None = 0  # 0: not computed yet
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_bytes(self) -> int | None:
+        """An upper bound on the UTF-8 bytes of text one token stands for, or None when there
+        is none. The longest vocabulary string (added tokens included) in UTF-8 bytes, times
+        4 when the tokenizer normalizes text first (a composing normalizer folds up to 3
+        characters into one): vocabulary strings never stand for more bytes than they hold
+        ("\u0120the" is " the", "<0x0A>" one byte), so a text of B bytes needs at least
+        B / max_token_bytes tokens. None where an unknown token can stand for a whole run of
+        text (WordLevel, WordPiece, Unigram with an unk token; BPE fusing unknowns without
+        byte fallback). Computed once (a pass over the vocabulary)."""
+        if self._max_token_bytes == 0:
+            self._max_token_bytes = _max_token_bytes(self._tok)
+        return self._max_token_bytes
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -53,6 +69,17 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _max_token_bytes(tok: HFTokenizer) -> int | None:
+    model = tok.model
+    if getattr(model, "unk_token", None) is not None or getattr(model, "unk_id", None) is not None:
+        bounded = isinstance(model, models.BPE) and (model.byte_fallback or not model.fuse_unk)
+        if not bounded:
+            return None
+    longest = max((len(t.encode("utf-8")) for t in tok.get_vocab(with_added_tokens=True)),
+                  default=1)
+    return longest * (1 if tok.normalizer is None else 4)
 
 
 def _not_utf8(text: str, index: int) -> str:

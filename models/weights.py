@@ -18,6 +18,7 @@ describes fewer layers than the checkpoint holds is refused rather than half-loa
 from __future__ import annotations
 
 import fnmatch
+import logging
 import pickle
 import re
 import warnings
@@ -30,6 +31,8 @@ from torch import nn
 
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import checkpoint_dir, read_json
+
+log = logging.getLogger(__name__)
 
 StateDict = dict[str, torch.Tensor]
 
@@ -67,7 +70,10 @@ def _shards(directory: Path, index_file: Path) -> list[Path]:
 def load_state_dict(path: str | Path) -> StateDict:
     """Every tensor of the checkpoint in ``path``, on the CPU, in the stored dtypes."""
     state: StateDict = {}
-    for file in weight_files(path):
+    files = weight_files(path)
+    for number, file in enumerate(files, 1):  # progress for `rocdraft generate` (stderr)
+        log.info("loading shard %d/%d: %s (%.0f MB)", number, len(files), file.name,
+                 file.stat().st_size / 1e6)
         if file.suffix == ".safetensors":
             try:
                 state.update(load_file(str(file), device="cpu"))

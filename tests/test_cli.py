@@ -188,6 +188,54 @@ def test_human_readable_output(capsys, ckpt):
     assert "acceptance" not in summary
 
 
+class Recorder:
+    """A stdout that is a terminal and keeps each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_at_a_terminal_text_streams_as_generated_and_stats_come_last(capsys, ckpt,
+                                                                       monkeypatch):
+    """Two prompts at a terminal: each completion's text arrives over several writes, in
+    prompt order, equal to --json's text; the statistics line is last; nothing on stderr for
+    a quick load."""
+    argv = ["--target", ckpt["target"], "hello world", "--prompt-ids", PROMPT_A,
+            "--max-new-tokens", 6, "--ignore-eos"]
+    expected = generate_json(capsys, *argv)["outputs"]
+    screen = Recorder()
+    monkeypatch.setattr(sys, "stdout", screen)
+    rc = main(["generate", *map(str, argv)])
+    assert rc == 0
+    out = "".join(screen.writes)
+    first = out.index("--- completion 0 ---\n")
+    second = out.index("--- completion 1 ---\n")
+    text0 = out[first + len("--- completion 0 ---\n"):out.index("\n[length]\n", first)]
+    assert text0 == expected[0]["text"]
+    assert "[length]" in out[second:]
+    assert out.strip().splitlines()[-1].startswith("[none, ")
+    chunks = screen.writes[screen.writes.index("--- completion 0 ---\n") + 1:]
+    assert len([w for w in chunks[:chunks.index("\n[length]\n")] if w]) > 1  # streamed
+    assert capsys.readouterr().err == ""
+
+
+def test_a_pipe_gets_the_whole_output_at_the_end(capsys, ckpt):
+    """Not a terminal (capsys): the completion blocks as before, nothing streamed."""
+    rc, out, err = run_cli(capsys, "generate", "--target", ckpt["target"], "hello world",
+                           "--max-new-tokens", 3)
+    assert rc == 0 and "--- completion 0 (" in out and "--- completion 0 ---" not in out
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_speculative_methods_are_lossless(capsys, ckpt, method):
     target = ckpt["target"] if method == "eagle" else ckpt["deep"]

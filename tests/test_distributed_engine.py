@@ -202,6 +202,41 @@ def test_idle_keepalive_then_worker_killed_mid_generate(pair):
     llm.close()  # idempotent after a failure
 
 
+def test_worker_killed_while_idle_is_noticed_at_once(pair):
+    """No call runs: the worker's process sentinel tells the executor within a second
+    (``failure`` names the rank, the listeners hear it once), the other ranks are stopped, and
+    the next generate refuses with the same reason."""
+    llm = _llm(pair["target"], tensor_parallel_size=2)
+    heard, told = [], threading.Event()
+    llm.model_runner.executor.add_failure_listener(lambda reason: (heard.append(reason), told.set()))
+    assert llm.model_runner.executor.failure is None
+    (pid,) = llm.model_runner.executor.worker_pids
+    start = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    assert told.wait(5)
+    assert time.monotonic() - start < 1.0
+    reason = "tensor-parallel worker(s) died: rank 1 exit code -9 (SIGKILL)"
+    assert heard == [reason] and llm.model_runner.executor.failure == reason
+    late = []
+    llm.model_runner.executor.add_failure_listener(late.append)  # after the fact: called at once
+    assert late == [reason]
+    with pytest.raises(RocdraftError, match=r"shut down: tensor-parallel worker\(s\) died"):
+        llm.generate(PROMPTS[:1], GREEDY)
+    llm.close()
+    assert_no_children()
+
+
+def test_a_closed_engine_reports_no_failure(pair):
+    """Workers leaving on SHUTDOWN are not a death."""
+    llm = _llm(pair["target"], tensor_parallel_size=2)
+    heard = []
+    llm.model_runner.executor.add_failure_listener(heard.append)
+    llm.close()
+    time.sleep(0.3)
+    assert heard == [] and llm.model_runner.executor.failure is None
+    assert_no_children()
+
+
 def test_close_and_garbage_collection_stop_the_workers(pair):
     llm = _llm(pair["target"], tensor_parallel_size=2)
     assert len(live_children(os.getpid())) == 1

@@ -14,10 +14,12 @@ from rocdraft.serve.command import (API_KEY_ENV, BUILTIN_MODEL_NAME, add_serve_a
 class Tok:
     chat_template = "{{ messages }}"
     special_tokens = {"bos_token": "<s>"}
+    max_token_bytes = 7
 
 
 ENGINE = SimpleNamespace(tokenizer=Tok(), max_model_len=128,
-                         scheduler_config=SimpleNamespace(max_num_seqs=8))
+                         scheduler_config=SimpleNamespace(max_num_seqs=8),
+                         model_config=SimpleNamespace(vocab_size=500))
 
 
 def parse(*argv):
@@ -34,6 +36,14 @@ def test_defaults(monkeypatch):
     assert s.model_name == BUILTIN_MODEL_NAME and s.api_key is None
     assert (s.max_model_len, s.max_num_seqs) == (128, 8)
     assert s.chat_template == Tok.chat_template and s.special_tokens == {"bos_token": "<s>"}
+    assert (s.max_request_bytes, s.vocab_size, s.max_token_bytes) == (4 << 20, 500, 7)
+    assert not args.no_exit_on_engine_death
+
+
+def test_max_request_bytes_flag():
+    assert settings_from(parse("--max-request-bytes", "1000"), ENGINE).max_request_bytes == 1000
+    with pytest.raises(RocdraftError, match="--max-request-bytes must be >= 1, got 0"):
+        settings_from(parse("--max-request-bytes", "0"), ENGINE)
 
 
 def test_api_key_from_flag_or_env(monkeypatch):

@@ -7,8 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import socket
-import threading
-import time
 
 import pytest
 
@@ -20,7 +18,7 @@ from checkpoints import write_tiny_llama  # noqa: E402
 from rocdraft.config import SamplingParams, SpeculativeConfig  # noqa: E402
 from rocdraft.engine import LLM  # noqa: E402
 from rocdraft.serve.app import ServeSettings, chat_renderer  # noqa: E402
-from rocdraft.serve.command import make_server  # noqa: E402
+from serve_helpers import start_server  # noqa: E402
 from rocdraft.serve.images import ImagePartError, image_part_bytes  # noqa: E402
 from vl_checkpoints import make_image, write_mrope_head, write_tiny_qwen2_vl  # noqa: E402
 
@@ -44,15 +42,7 @@ def serve(llm, name: str):
                              max_waiting_requests=0, api_key=KEY,
                              chat_template=llm.tokenizer.chat_template,
                              special_tokens=llm.tokenizer.special_tokens)
-    port = free_port()
-    srv = make_server(llm, settings, "127.0.0.1", port, shutdown_timeout=5,
-                      log_level="warning")
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started
+    srv, thread, port = start_server(llm, settings, shutdown_timeout=5, log_level="warning")
     return srv, thread, settings, f"http://127.0.0.1:{port}/v1"
 
 

@@ -24,8 +24,9 @@ from distributed_helpers import live_children  # noqa: E402
 from rocdraft.builtin import builtin_paths  # noqa: E402
 from rocdraft.config import SamplingParams, SpeculativeConfig  # noqa: E402
 from rocdraft.engine import LLM  # noqa: E402
-from rocdraft.serve.app import ServeSettings, chat_renderer  # noqa: E402
-from rocdraft.serve.command import make_server  # noqa: E402
+from rocdraft.serve.app import ServeSettings  # noqa: E402
+from rocdraft.serve.chat_template import chat_renderer  # noqa: E402
+from serve_helpers import start_server as start_in_thread  # noqa: E402
 
 KEY = "test-key"
 MODEL = "builtin-chat"
@@ -34,6 +35,8 @@ PROMPTS = ["def fib(n):", "import os\n", "class Stack:\n    def", "for i in rang
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}### {{ m.role }}:\n{{ m.content }}\n"
             "{% endfor %}{% if add_generation_prompt %}### assistant:\n{% endif %}")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+MAX_REQUEST_BYTES = 8 << 20
+FIVE_MB_PROMPT = "x = 1\n" * 874000
 
 
 def free_port() -> int:
@@ -68,21 +71,16 @@ def server(target_with_template):
     settings = ServeSettings(model_name=MODEL, max_model_len=llm.max_model_len,
                              max_num_seqs=16, max_waiting_requests=0, api_key=KEY,
                              chat_template=llm.tokenizer.chat_template,
-                             special_tokens=llm.tokenizer.special_tokens)
+                             special_tokens=llm.tokenizer.special_tokens,
+                             max_request_bytes=MAX_REQUEST_BYTES,
+                             vocab_size=llm.model_runner.target.config.vocab_size,
+                             max_token_bytes=llm.tokenizer.max_token_bytes)
     chat_prompt = chat_renderer(settings)([{"role": "user", "content": "Write a loop."}])
     concurrent = [f"x{i} = {i} *" for i in range(16)]
     refs = llm.generate(PROMPTS + [chat_prompt] + concurrent, GREEDY)
     reference = {"prompts": refs[:len(PROMPTS)], "chat": refs[len(PROMPTS)],
                  "concurrent": refs[len(PROMPTS) + 1:], "concurrent_prompts": concurrent}
-    port = free_port()
-    srv = make_server(llm, settings, "127.0.0.1", port, shutdown_timeout=5,
-                      log_level="warning")
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started
+    srv, thread, port = start_in_thread(llm, settings, shutdown_timeout=5, log_level="warning")
     yield f"http://127.0.0.1:{port}", llm, reference
     srv.should_exit = True
     thread.join(30)
@@ -209,6 +207,88 @@ def test_error_statuses_and_the_server_keeps_serving(server, client):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
                                   temperature=0, extra_body=ids_body())
     assert r.choices[0].token_ids == ref["prompts"][1].token_ids
+    wait_blocks_free(llm)
+
+
+def test_bad_bodies_get_openai_json_4xx(server, client):
+    """Deep nesting, a body over the limit, max_tokens past the context, stop ids outside
+    the vocabulary, curl's form Content-Type, a 401's WWW-Authenticate."""
+    url, llm, _ = server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    deep = httpx.post(url + "/v1/completions", headers=headers,
+                      content=b'{"prompt": ' + b"[" * 100_000)
+    assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
+    big = httpx.post(url + "/v1/completions", headers=headers,
+                     content=b'{"prompt": "' + b"a" * MAX_REQUEST_BYTES + b'"}')
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    for max_tokens in (10**9, 10**30):
+        start = time.perf_counter()
+        with pytest.raises(openai.BadRequestError, match=f"max_tokens {max_tokens} exceeds "
+                                                         f"max_model_len 256") as info:
+            client.completions.create(model=MODEL, prompt="def f():", max_tokens=max_tokens)
+        assert time.perf_counter() - start < 2.0
+        assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match=r"prompt of 250 tokens \+ max_tokens 10 "
+                                                     r"exceeds max_model_len 256"):
+        client.completions.create(model=MODEL, prompt=[5] * 250, max_tokens=10)
+    with pytest.raises(openai.BadRequestError, match=r"stop_token_ids \[999999\] outside"):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2,
+                                  extra_body={"stop_token_ids": [999999]})
+    form = httpx.post(url + "/v1/completions", content=json.dumps(
+        {"prompt": "a", "max_tokens": 2, "temperature": 0}), headers={
+        **headers, "Content-Type": "application/x-www-form-urlencoded"})  # what curl -d sends
+    assert form.status_code == 200 and form.json()["usage"]["completion_tokens"] == 2
+    unauthorized = httpx.get(url + "/v1/models")
+    assert unauthorized.status_code == 401
+    assert unauthorized.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(url + "/health").status_code == 200  # open without the key
+    wait_blocks_free(llm)
+
+
+def test_five_megabyte_prompt_is_refused_fast_while_a_stream_runs(server, client):
+    """The 5 MB prompt is refused from a bound on its token count, never tokenized on the
+    event loop: the running stream's chunks and /health keep their pace (the figures to reach
+    are 0.5 s, 0.25 s and 50 ms; the bounds here leave room for a loaded CI machine)."""
+    url, llm, _ = server
+    gaps, health = [], []
+    stream = client.completions.create(model=MODEL, prompt="while True:", max_tokens=200,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    done = threading.Event()
+
+    def read_stream():
+        last = time.perf_counter()
+        for _ in chunks:
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        done.set()
+
+    def poll_health():
+        while not done.is_set():
+            start = time.perf_counter()
+            assert httpx.get(url + "/health").status_code == 200
+            health.append(time.perf_counter() - start)
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=read_stream), threading.Thread(target=poll_health)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    start = time.perf_counter()
+    with pytest.raises(openai.BadRequestError, match="prompt of at least .* tokens does not "
+                                                     "fit max_model_len 256"):
+        client.completions.create(model=MODEL, prompt=FIVE_MB_PROMPT, max_tokens=4)
+    refused = time.perf_counter() - start
+    for t in threads:
+        t.join(60)
+    print(f"5 MB prompt refused in {refused:.3f} s; stream gap max {max(gaps):.3f} s; "
+          f"/health max {max(health) * 1000:.1f} ms over {len(health)} probes")
+    assert refused < 2.0
+    assert max(gaps) < 1.0
+    assert max(health) < 0.5
     wait_blocks_free(llm)
 
 
@@ -361,6 +441,115 @@ def test_tensor_parallel_server_equals_generate_and_leaves_no_workers():
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [w for w in workers if _alive(w)], "worker processes outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def sse_lines(response) -> list[str]:
+    return [x for x in response.iter_lines() if x.startswith("data: ")]
+
+
+def test_shutdown_timeout_ends_cut_streams_with_a_final_chunk():
+    """SIGTERM with --shutdown-timeout 1 and streams that need longer: each ends with a chunk
+    whose finish_reason is "abort", an error event and [DONE]; a waiting non-streaming request
+    gets a JSON 503; the log has one line per aborted request and no traceback; exit 0."""
+    proc, url = start_server("--shutdown-timeout", "1", "--max-model-len", "1024",
+                             "--log-level", "info")
+    body = {"prompt": "def f(x):", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    results = {}
+
+    def stream(i):
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={**body, "stream": True}) as response:
+            results[i] = sse_lines(response)
+
+    def plain():
+        results["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+    try:
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        threads.append(threading.Thread(target=plain))  # waits: --max-num-seqs 2
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for i in range(2):
+        data = results[i]
+        assert data[-1] == "data: [DONE]"
+        error = json.loads(data[-2][6:])["error"]
+        assert error["code"] == "server_shutting_down" and "--shutdown-timeout 1 s" in \
+            error["message"]
+        assert json.loads(data[-3][6:])["choices"][0]["finish_reason"] == "abort"
+    plain = results["plain"]
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutting_down"
+    assert "Traceback" not in log and "CancelledError" not in log
+    assert log.count("aborted after") == 3, log
+
+
+def test_tensor_parallel_worker_killed_health_503_then_exit_1():
+    """A TP 2 server whose worker is SIGKILLed mid-stream: the stream gets its error event and
+    [DONE], /health turns 503 naming the worker within a second, new requests get 503 (not
+    500), and the server exits with status 1."""
+    proc, url = start_server("--tensor-parallel-size", "2", "--max-model-len", "1024",
+                             timeout_s=180)
+    try:
+        (worker,) = live_children(proc.pid)
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "prompt": "def f(x):", "max_tokens": 900, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            os.kill(worker, signal.SIGKILL)
+            killed = time.monotonic()
+            data = [x for x in lines if x.startswith("data: ")]
+        assert data[-1] == "data: [DONE]"
+        assert "rank 1 exit code -9 (SIGKILL)" in json.loads(data[-2][6:])["error"]["message"]
+        try:  # the server may already have closed its socket on the way out
+            health = httpx.get(url + "/health", timeout=5)
+            assert health.status_code == 503 and "SIGKILL" in health.json()["error"]["message"]
+        except httpx.TransportError:
+            pass
+        assert proc.wait(timeout=60) == 1
+        print(f"server exited 1, {time.monotonic() - killed:.2f} s after the kill")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_tensor_parallel_worker_killed_while_idle():
+    """No request runs: the worker's death turns /health 503 within a second all the same;
+    with --no-exit-on-engine-death the server stays up, answering 503 (not 500)."""
+    proc, url = start_server("--tensor-parallel-size", "2", "--no-exit-on-engine-death",
+                             timeout_s=180)
+    try:
+        (worker,) = live_children(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        while httpx.get(url + "/health", timeout=5).status_code == 200:
+            assert time.monotonic() - killed < 1.0, "/health still 200 a second later"
+            time.sleep(0.01)
+        print(f"/health 503 {time.monotonic() - killed:.3f} s after the kill")
+        health = httpx.get(url + "/health", timeout=5).json()["error"]["message"]
+        assert health == ("the engine is dead: tensor-parallel worker(s) died: rank 1 exit "
+                          "code -9 (SIGKILL)")
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 503 and "SIGKILL" in r.json()["error"]["message"]
+        time.sleep(1.0)
+        assert proc.poll() is None  # kept up
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1  # it did die: a supervisor should know
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -9,6 +9,7 @@ from tokenizers import models, pre_tokenizers
 from transformers import AutoTokenizer
 
 from checkpoints import write_tiny_tokenizer
+from rocdraft.builtin import builtin_paths
 from rocdraft.errors import CheckpointError, RocdraftError
 from rocdraft.models.tokenizer import load_tokenizer
 
@@ -94,3 +95,21 @@ def test_chat_template_and_special_tokens_come_from_tokenizer_config(tok_dir):
     assert load_tokenizer(tok_dir).chat_template == "D"
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     assert load_tokenizer(tok_dir).chat_template is None
+
+
+def test_max_token_bytes_bounds_the_token_count():
+    """No text tokenizes into fewer than len(utf-8 bytes) / max_token_bytes tokens (the
+    built-in pair's byte-level BPE)."""
+    tok = load_tokenizer(builtin_paths().target)
+    longest = tok.max_token_bytes
+    assert longest >= 1
+    for text in ("hello world", "x = 1\n" * 50, "日本語 wörld " * 20, "a" * 999, " " * 500):
+        ids = tok.encode(text)
+        assert len(ids) >= len(text.encode()) / longest, text
+
+
+def test_an_unknown_token_that_covers_a_word_gives_no_bound(tok_dir):
+    """The tiny word-level tokenizer maps any unknown word to one <unk>: no bound exists."""
+    tok = load_tokenizer(tok_dir)
+    assert len(tok.encode("日本語日本語日本語")) == 2  # <s> <unk>
+    assert tok.max_token_bytes is None

@@ -23,6 +23,9 @@ Per call (``TensorParallelExecutor.call``): under one lock, broadcast the messag
 collective inside it matches. Any failure inside a call leaves the ranks out of step: the
 workers are killed and the engine refuses further calls. A dead worker is named with its exit
 code (gloo notices a closed socket at once; a hung one surfaces after ``timeout_s``).
+A spawned worker that dies between calls (the engine idle) is noticed at once by its process
+sentinel (distributed/worker_health.py): ``failure`` names it and the failure listeners
+(``add_failure_listener``; the server's engine loop) hear it without waiting for a call.
 
 While the engine is idle a keep-alive thread sends a NOP every ``timeout_s / 4`` so the
 workers' wait for the next header never reaches the collective timeout (a server may idle
@@ -33,28 +36,26 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
-import traceback
 import weakref
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from rocdraft.distributed import messages as msg
-from rocdraft.distributed.group import (BACKENDS, DEFAULT_TIMEOUT_S, ParallelGroup,
-                                        default_backend, free_port, init_process_group)
+from rocdraft.distributed.group import (BACKENDS, DEFAULT_TIMEOUT_S, HOST, ParallelGroup,
+                                        default_backend, free_port, init_process_group,
+                                        make_group, open_store)
 from rocdraft.distributed.layers import CommCounter
-from rocdraft.distributed.worker import WorkerSpec, load_worker, serve_ops, worker_device
+from rocdraft.distributed.worker import WorkerSpec, spawned_worker, torchrun_worker
+from rocdraft.distributed.worker_health import WorkerWatch, dead_ranks, kill
 from rocdraft.errors import RocdraftError
 
 log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 1800.0  # spawned workers loading their shards (no collective is waiting)
-HOST = "127.0.0.1"
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -92,7 +93,7 @@ def start_executor(tp_size: int, backend: str | None, device: str,
                             f"{world_size} processes; pass --nproc-per-node {tp_size}")
     group = init_process_group(rank, world_size, backend, None, timeout_s)
     if rank != 0:
-        _torchrun_worker(group, device)
+        torchrun_worker(group, device)
         # A clean end: skip the interpreter's teardown, where gloo's C++ threads could still
         # be destroyed joinable ("terminate called without an active exception", about 1
         # run in 16 under load) and turn a finished run into a SIGABRT.
@@ -134,6 +135,17 @@ class TensorParallelExecutor:
         """Exit code per spawned worker (None: still running); 0 after a clean close()."""
         return [p.exitcode for p in self._ranks.procs]
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer run a step (a worker died, a collective failed), or
+        None while it can."""
+        return self._ranks.failure
+
+    def add_failure_listener(self, listener) -> None:
+        """``listener(reason)`` is called once, from a background thread, when the ranks fail
+        (at once if they already have)."""
+        self._ranks.add_failure_listener(listener)
+
     def wrap_target(self, model: torch.nn.Module):
         from rocdraft.distributed.proxy import TargetProxy
 
@@ -170,6 +182,8 @@ class _Ranks:
         self.last_call = time.monotonic()
         self.stop = threading.Event()
         self.keepalive: threading.Thread | None = None
+        self.watch = WorkerWatch(procs, self._worker_died)
+        self.listeners: list = []
 
     @staticmethod
     def spawn(tp_size: int, backend: str, device: str, timeout_s: float) -> "_Ranks":
@@ -181,7 +195,7 @@ class _Ranks:
         try:
             for rank in range(1, tp_size):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_spawned_worker, name=f"rocdraft-tp-rank{rank}",
+                p = ctx.Process(target=spawned_worker, name=f"rocdraft-tp-rank{rank}",
                                 args=(rank, tp_size, backend, port, timeout_s, child),
                                 daemon=True)
                 p.start()
@@ -191,7 +205,7 @@ class _Ranks:
             store = open_store(0, tp_size, port, timeout_s)
             ranks = _Ranks(None, backend, device, timeout_s, procs, conns, store)
         except BaseException:
-            _kill(procs)
+            kill(procs)
             raise
         ranks.wait_all("connect to the rendezvous", timeout_s)
         try:
@@ -211,6 +225,7 @@ class _Ranks:
                 conn.send(spec)
             self.wait_all("load", LOAD_TIMEOUT_S)
         self.started = True
+        self.watch.start()
         self.keepalive = threading.Thread(target=self._keep_alive, name="rocdraft-tp-keepalive",
                                           daemon=True)
         self.keepalive.start()
@@ -232,7 +247,7 @@ class _Ranks:
                         raise RocdraftError(f"tensor-parallel worker rank {rank} could not "
                                             f"{stage}: {error}")
                     del pending[rank]
-            dead = self._dead_ranks()
+            dead = dead_ranks(self.procs)
             if dead:
                 self._abort()
                 raise RocdraftError(f"tensor-parallel worker(s) died before they could "
@@ -245,6 +260,8 @@ class _Ranks:
     def call(self, op, local, input_ids, positions, common, hidden, compact=None):
         with self.lock:
             if self.closed or self.failure:
+                if not self.closed:  # the watch saw a death while a call held the lock
+                    self._abort()
                 raise RocdraftError(f"the tensor-parallel engine is shut down"
                                     f"{': ' + self.failure if self.failure else ''}; build a "
                                     f"new LLM")
@@ -278,22 +295,43 @@ class _Ranks:
     def _failed(self, error: RuntimeError) -> RocdraftError:
         """Kill the ranks; -> the error naming the dead ones (exit codes) or the failure."""
         deadline = time.monotonic() + 2.0  # a killed peer is reaped within moments
-        dead = self._dead_ranks()
+        dead = dead_ranks(self.procs)
         while not dead and self.procs and time.monotonic() < deadline:
             time.sleep(0.05)
-            dead = self._dead_ranks()
+            dead = dead_ranks(self.procs)
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         self.failure = (f"tensor-parallel worker(s) died: {dead}" if dead else
                         f"a collective failed ({first_line})")
         self._abort()
+        self._notify()
         return RocdraftError(f"{self.failure}; the workers are shut down "
                              f"(collective timeout {self.timeout_s:.0f} s)")
 
-    def _dead_ranks(self) -> str:
-        dead = [(rank, p.exitcode) for rank, p in enumerate(self.procs, 1)
-                if p.exitcode is not None]
-        return ", ".join(f"rank {rank} exit code {code}{_signal_name(code)}"
-                         for rank, code in dead)
+    def add_failure_listener(self, listener) -> None:
+        with self.lock:
+            failed = self.failure is not None
+            if not failed:
+                self.listeners.append(listener)
+        if failed:
+            listener(self.failure)
+
+    def _notify(self) -> None:
+        listeners, self.listeners = self.listeners, []
+        for listener in listeners:
+            listener(self.failure)
+
+    def _worker_died(self, reason: str) -> None:
+        """The watch thread: a worker exited unasked. Mark the ranks failed at once (a call
+        in flight fails by itself: gloo sees the closed socket), stop the other workers."""
+        if self.failure is None:
+            self.failure = reason
+        if self.lock.acquire(blocking=False):  # else the call in flight aborts by itself
+            try:
+                if not self.closed:
+                    self._abort()
+            finally:
+                self.lock.release()
+        self._notify()
 
     def _keep_alive(self) -> None:
         interval = self.timeout_s / 4
@@ -330,11 +368,12 @@ class _Ranks:
         """Stop every worker (joined for JOIN_TIMEOUT_S when they were told to stop), free the
         pipes and the group."""
         self.closed = True
+        self.watch.stop()
         if join_first:
             deadline = time.monotonic() + JOIN_TIMEOUT_S
             for p in self.procs:
                 p.join(max(deadline - time.monotonic(), 0.0))
-        _kill(self.procs)
+        kill(self.procs)
         for conn in self.conns:
             conn.close()
         self.conns = []
@@ -346,104 +385,3 @@ class _Ranks:
                     pass
             dist.destroy_process_group()
         self.store = None
-
-
-def _kill(procs: list) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(5)
-
-
-def _signal_name(code: int | None) -> str:
-    if code is None or code >= 0:
-        return ""
-    try:
-        return f" ({signal.Signals(-code).name})"
-    except ValueError:
-        return ""
-
-
-def open_store(rank: int, world_size: int, port: int, timeout_s: float):
-    """The rendezvous store of a private group: rank 0 listens on 127.0.0.1:port (without
-    waiting for the others), the others connect."""
-    try:
-        return dist.TCPStore(HOST, port, world_size, is_master=rank == 0,
-                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    except RuntimeError as e:
-        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
-            raise RocdraftError(f"rendezvous port {HOST}:{port} is already in use; try again "
-                                f"(the port is picked free but was taken)") from None
-        raise
-
-
-def make_group(store, rank: int, world_size: int, backend: str, timeout_s: float
-               ) -> ParallelGroup:
-    """A process group of its own over ``store`` (not torch's default group, so two engines
-    in one process each have theirs)."""
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    else:
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
-    return ParallelGroup(rank, world_size, pg)
-
-
-def _spawned_worker(rank: int, world_size: int, backend: str, port: int, timeout_s: float,
-                    conn) -> None:
-    """Entry point of a spawned rank (module level: spawn pickles it by name)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import rocdraft.backends  # noqa: F401  (registers every backend in this process)
-
-    store = open_store(rank, world_size, port, timeout_s)
-    conn.send(None)  # connected: rank 0 now builds the group with us
-    group = make_group(store, rank, world_size, backend, timeout_s)
-    spec = _wait_spec(conn)
-    if spec is None:
-        return
-    torch.set_num_threads(spec.num_threads)
-    try:
-        state = load_worker(spec, group, worker_device(spec, rank))
-    except Exception as e:  # reported to rank 0 in one line, which raises it
-        conn.send(f"{type(e).__name__}: {e}".splitlines()[0])
-        raise SystemExit(1) from None
-    conn.send(None)
-    try:
-        serve_ops(state, group)
-    except RuntimeError:  # rank 0 died or killed a peer: its sockets closed
-        traceback.print_exc()
-        raise SystemExit(1) from None
-
-
-def _wait_spec(conn) -> WorkerSpec | None:
-    """The spec from rank 0, or None when rank 0 went away first."""
-    parent = os.getppid()
-    while not conn.poll(0.5):
-        if os.getppid() != parent:
-            return None
-    try:
-        return conn.recv()
-    except EOFError:
-        return None
-
-
-def _torchrun_worker(group: ParallelGroup, device: str) -> None:
-    import rocdraft.backends  # noqa: F401
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    box = [None]
-    dist.broadcast_object_list(box, group=group.group, group_src=0)
-    spec: WorkerSpec = box[0]
-    local_rank = int(os.environ.get("LOCAL_RANK", group.rank))
-    state = load_worker(spec, group, worker_device(spec, local_rank))
-    dist.barrier(group=group.group)
-    try:
-        serve_ops(state, group)
-        # SHUTDOWN: rank 0 waits here too, so neither side tears its gloo pairs down while
-        # the other may still be reading (a SIGABRT at exit otherwise).
-        dist.barrier(group=group.group)
-    finally:
-        dist.destroy_process_group()

@@ -24,6 +24,7 @@ from rocdraft.errors import RocdraftError
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 60.0
+HOST = "127.0.0.1"  # private groups rendezvous on the loopback interface
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,30 @@ def destroy_process_group() -> None:
     """Leave the default process group if this process joined one."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def open_store(rank: int, world_size: int, port: int, timeout_s: float):
+    """The rendezvous store of a private group: rank 0 listens on 127.0.0.1:port (without
+    waiting for the others), the others connect."""
+    try:
+        return dist.TCPStore(HOST, port, world_size, is_master=rank == 0,
+                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except RuntimeError as e:
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+            raise RocdraftError(f"rendezvous port {HOST}:{port} is already in use; try again "
+                                f"(the port is picked free but was taken)") from None
+        raise
+
+
+def make_group(store, rank: int, world_size: int, backend: str, timeout_s: float
+               ) -> ParallelGroup:
+    """A process group of its own over ``store`` (not torch's default group, so two engines
+    in one process each have theirs)."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    return ParallelGroup(rank, world_size, pg)

@@ -11,19 +11,23 @@ runs on rank 0 alone (distributed/head_tables.py). Per message (``distributed.me
     TARGET_COMPACT  compact_kv_layers(...)        (a tree step's accepted path, this rank's KV)
     NOP             nothing (rank 0's keep-alive while it is idle)
 
-Outputs are dropped: rank 0 samples alone. The worker ignores SIGINT (Ctrl-C reaches the
-whole process group; rank 0 decides and sends SHUTDOWN) and exits when rank 0 dies (its
-next collective fails as the sockets close).
+``spawned_worker`` and ``torchrun_worker`` are the entry points of a worker process (spawned
+by rank 0's executor, or started by torchrun). Outputs are dropped: rank 0 samples alone.
+The worker ignores SIGINT (Ctrl-C reaches the whole process group; rank 0 decides and sends
+SHUTDOWN) and exits when rank 0 dies (its next collective fails as the sockets close).
 """
 from __future__ import annotations
 
+import os
+import signal
+import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from rocdraft.distributed import messages as msg
-from rocdraft.distributed.group import ParallelGroup
+from rocdraft.distributed.group import ParallelGroup, make_group, open_store
 
 
 @dataclass(frozen=True)
@@ -115,3 +119,60 @@ def _run(op: int, fields: list[int], ints, hidden, state: WorkerState) -> None:
 def _recv(tensor: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     dist.broadcast(tensor, group=group.group, group_src=0)
     return tensor
+
+
+def spawned_worker(rank: int, world_size: int, backend: str, port: int, timeout_s: float,
+                    conn) -> None:
+    """Entry point of a spawned rank (module level: spawn pickles it by name)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import rocdraft.backends  # noqa: F401  (registers every backend in this process)
+
+    store = open_store(rank, world_size, port, timeout_s)
+    conn.send(None)  # connected: rank 0 now builds the group with us
+    group = make_group(store, rank, world_size, backend, timeout_s)
+    spec = wait_spec(conn)
+    if spec is None:
+        return
+    torch.set_num_threads(spec.num_threads)
+    try:
+        state = load_worker(spec, group, worker_device(spec, rank))
+    except Exception as e:  # reported to rank 0 in one line, which raises it
+        conn.send(f"{type(e).__name__}: {e}".splitlines()[0])
+        raise SystemExit(1) from None
+    conn.send(None)
+    try:
+        serve_ops(state, group)
+    except RuntimeError:  # rank 0 died or killed a peer: its sockets closed
+        traceback.print_exc()
+        raise SystemExit(1) from None
+
+
+def wait_spec(conn) -> WorkerSpec | None:
+    """The spec from rank 0, or None when rank 0 went away first."""
+    parent = os.getppid()
+    while not conn.poll(0.5):
+        if os.getppid() != parent:
+            return None
+    try:
+        return conn.recv()
+    except EOFError:
+        return None
+
+
+def torchrun_worker(group: ParallelGroup, device: str) -> None:
+    import rocdraft.backends  # noqa: F401
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    box = [None]
+    dist.broadcast_object_list(box, group=group.group, group_src=0)
+    spec: WorkerSpec = box[0]
+    local_rank = int(os.environ.get("LOCAL_RANK", group.rank))
+    state = load_worker(spec, group, worker_device(spec, local_rank))
+    dist.barrier(group=group.group)
+    try:
+        serve_ops(state, group)
+        # SHUTDOWN: rank 0 waits here too, so neither side tears its gloo pairs down while
+        # the other may still be reading (a SIGABRT at exit otherwise).
+        dist.barrier(group=group.group)
+    finally:
+        dist.destroy_process_group()

@@ -12,12 +12,14 @@ from rocdraft.outputs import GenerationStats, RequestOutput
 
 
 class LLM(LLMEngine):
-    def generate(self, prompts: list, sampling_params: SamplingParams | list | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: list, sampling_params: SamplingParams | list | None = None,
+                 on_tokens=None) -> list[RequestOutput]:
         """prompts: strings (need a tokenizer) or lists of token ids, or for a vision-language
         target dicts ``{"prompt" | "prompt_token_ids": ..., "images": [...]}``
         (rocdraft/core/multimodal.py); one SamplingParams for all or one per prompt. A bad
-        request fails alone (finish_reason "error")."""
+        request fails alone (finish_reason "error"). ``on_tokens(index, new_token_ids,
+        finish_reason)`` is called after each step for each prompt that advanced
+        (finish_reason None while it runs; ``rocdraft generate`` streams text with it)."""
         params = _checked_params(prompts, sampling_params)
         if self.requests:
             raise RocdraftError(f"generate() called while {len(self.requests)} requests added "
@@ -33,9 +35,11 @@ class LLM(LLMEngine):
                 self.scheduler.add(req)
         try:
             while self.scheduler.has_unfinished:
-                for req, _ in self._step(self.scheduler, stats):
+                for req, new_tokens in self._step(self.scheduler, stats):
                     if req.is_finished:
                         self.requests.pop(req.request_id, None)
+                    if on_tokens is not None:
+                        on_tokens(req.request_id.index, new_tokens, req.finish_reason)
         finally:
             for req in requests:  # an exception mid-run: nothing stays queued or holds blocks
                 if self.requests.pop(req.request_id, None) is not None:

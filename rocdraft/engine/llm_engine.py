@@ -89,6 +89,11 @@ class LLMEngine:
         return self.model_runner.tokenizer
 
     @property
+    def model_config(self):
+        """The target's ModelConfig (vocabulary, layers, heads; models/config.py)."""
+        return self.model_runner.target.config
+
+    @property
     def max_model_len(self) -> int:
         return self.model_runner.max_model_len
 
@@ -105,6 +110,12 @@ class LLMEngine:
     def draft_backend(self):
         """The head's attention backend class (None without speculation)."""
         return self.draft_runner.backend if self.draft_runner is not None else None
+
+    @property
+    def executor(self):
+        """The tensor-parallel executor (None at TP 1): the server watches its workers'
+        health through it."""
+        return self.model_runner.executor
 
     @property
     def kv_cache_plan(self):

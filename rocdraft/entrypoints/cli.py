@@ -163,14 +163,29 @@ def run_generate(args) -> int:
                              max_tokens=args.max_new_tokens,
                              seed=None if args.seed is None else args.seed + i,
                              ignore_eos=args.ignore_eos) for i in range(len(prompts))]
-    llm, method = make_llm(args)
+    streaming = not args.json and _stdout_is_terminal()
+    if args.json:
+        llm, method = make_llm(args)
+    else:
+        from rocdraft.entrypoints.terminal import LoadingProgress
+
+        with LoadingProgress(args.target or "the built-in pair"):
+            llm, method = make_llm(args)
     if args.image:
         from rocdraft.core.multimodal import with_images
 
-        prompts = [with_images(p, args.image, llm.model_runner.target, llm.tokenizer) for p in prompts]
+        prompts = [with_images(p, args.image, llm.model_runner.target, llm.tokenizer)
+                   for p in prompts]
+    printer = None
+    if streaming:
+        from rocdraft.entrypoints.terminal import StreamPrinter
+
+        printer = StreamPrinter(llm.tokenizer, len(prompts))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, on_tokens=printer and printer.on_tokens)
     elapsed = time.perf_counter() - start
+    if printer is not None:
+        printer.finish(outputs)
     stats = llm.last_stats
     summary = {
         "method": method,
@@ -193,7 +208,7 @@ def run_generate(args) -> int:
              "finish_reason": o.finish_reason, **({"error": o.error} if o.error else {})}
             for o in outputs], "stats": summary}))
         return _exit_code(outputs)
-    for i, out in enumerate(outputs):
+    for i, out in enumerate(outputs if printer is None else ()):  # streamed: printed already
         body = out.text if out.text is not None else " ".join(map(str, out.token_ids))
         if out.error:
             body = f"[error] {out.error}"
@@ -209,6 +224,12 @@ def run_generate(args) -> int:
           f"{stats.generated_tokens} tokens in {elapsed:.2f} s "
           f"({summary['tokens_per_s']} tok/s){accept}")
     return _exit_code(outputs)
+
+
+def _stdout_is_terminal() -> bool:
+    """Stream completions as they are generated only to a terminal (a pipe or a file gets
+    the whole output at the end)."""
+    return sys.stdout.isatty()
 
 
 def _exit_code(outputs) -> int:

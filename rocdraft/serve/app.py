@@ -1,9 +1,17 @@
 """The FastAPI app (this module needs the serve extra): OpenAI's /v1/completions,
 /v1/chat/completions and /v1/models, plus /health and /metrics, over one ``EngineLoop``.
 
-Handlers validate (protocol.py), enqueue on the engine loop and await their events; they never
-touch the engine. ``build_app(loop, settings)`` starts the loop in the app's lifespan and stops
-it (aborting whatever is left) at shutdown.
+Handlers read the body (guard.py bounds it), then parse, render the chat template and
+tokenize in a worker thread (admission.py: never on the event loop, nor on the engine
+thread), enqueue token ids on the engine loop and await their events (streams.py); they never
+touch the engine. ``build_app(loop, settings)`` starts the loop in the app's lifespan, watches
+it (``on_engine_dead(reason)`` once the engine cannot serve) and stops it at shutdown.
+
+Every answer is OpenAI JSON. The body is parsed as JSON whatever its ``Content-Type`` (curl's
+``-d`` sends ``application/x-www-form-urlencoded``); a body that is not JSON is a 400 saying
+so. Without ``--api-key`` every route is open; with it, /v1/* need ``Authorization: Bearer``
+(401 with ``WWW-Authenticate: Bearer`` otherwise) while /health (up or why not) and /metrics
+(counts and latencies, no request content) stay open, as in vLLM.
 """
 from __future__ import annotations
 
@@ -18,10 +26,16 @@ from fastapi import Request
 
 from rocdraft.errors import RocdraftError
 from rocdraft.serve import protocol
-from rocdraft.serve.engine_loop import Accepted, Delta, EngineLoop, Rejected
+from rocdraft.serve.admission import ContextLimits, admit, check_stop_token_ids
+from rocdraft.serve.chat_template import chat_renderer
+from rocdraft.serve.engine_loop import EngineLoop
+from rocdraft.serve.guard import RequestGuard
 from rocdraft.serve.protocol import ApiError, GenerationRequest
+from rocdraft.serve.streams import Capacity, Run
 
 log = logging.getLogger(__name__)
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: a 1M-character prompt fits, a runaway body not
+HEALTH_POLL_S = 0.05  # how often the lifespan task looks for a dead engine
 
 
 @dataclass(frozen=True)
@@ -33,48 +47,59 @@ class ServeSettings:
     api_key: str | None = None
     chat_template: str | None = None
     special_tokens: dict = field(default_factory=dict)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    vocab_size: int | None = None  # None: prompt and stop ids are checked by the engine only
+    max_token_bytes: int | None = None  # None: no early refusal of long text (admission.py)
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise RocdraftError(f"max_waiting_requests must be >= 0, got "
+                                f"{self.max_waiting_requests}")
+        if self.max_request_bytes < 1:
+            raise RocdraftError(f"max_request_bytes must be >= 1, got "
+                                f"{self.max_request_bytes}")
+
+    @property
+    def limits(self) -> ContextLimits:
+        return ContextLimits(self.max_model_len, self.vocab_size, self.max_token_bytes)
 
 
-class _Capacity:
-    """Engine requests submitted and not yet finished (event-loop side: no lock needed)."""
-
-    def __init__(self, settings: ServeSettings) -> None:
-        self.in_flight = 0
-        self.limit = None if settings.max_waiting_requests is None \
-            else settings.max_num_seqs + settings.max_waiting_requests
-
-    def check(self, n: int) -> None:
-        """A 503 when ``n`` more requests would overfill the waiting queue: they would wait
-        behind ``max_num_seqs`` running ones and ``max_waiting_requests`` waiting ones."""
-        if self.limit is not None and self.in_flight + n > self.limit:
-            raise ApiError(503, f"the server is busy: {self.in_flight} requests in flight, at "
-                                f"most {self.limit} (--max-num-seqs + --max-waiting-requests); "
-                                f"retry later", code="server_busy")
-
-
-def build_app(loop: EngineLoop, settings: ServeSettings):
+def build_app(loop: EngineLoop, settings: ServeSettings, on_engine_dead=None):
+    """The app over ``loop``. ``on_engine_dead(reason)`` is called once (on the event loop)
+    when the engine can no longer serve; /health says 503 with the reason either way."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     render = chat_renderer(settings)
-    capacity = _Capacity(settings)
+    capacity = Capacity(settings.max_num_seqs, settings.max_waiting_requests)
+    tokenizer = loop.engine.tokenizer
+    limits = settings.limits
+
+    async def watch_engine():
+        while not loop.dead.is_set():
+            await asyncio.sleep(HEALTH_POLL_S)
+        if on_engine_dead is not None:
+            on_engine_dead(loop.health())
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         loop.start()
+        watcher = asyncio.ensure_future(watch_engine())
         try:
             yield
         finally:
+            watcher.cancel()
             await asyncio.to_thread(loop.stop)
 
     app = FastAPI(title="rocdraft", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    app.add_middleware(RequestGuard, max_request_bytes=settings.max_request_bytes)
     app.state.engine_loop, app.state.capacity = loop, capacity
 
     def error_response(error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(ApiError)
     async def api_error(request, exc: ApiError):
@@ -93,9 +118,9 @@ def build_app(loop: EngineLoop, settings: ServeSettings):
 
     @app.get("/health")
     async def health():
-        if not loop.alive:
-            return error_response(ApiError(503, f"the engine loop is not running"
-                                                f"{': ' + loop.error if loop.error else ''}"))
+        reason = loop.health()
+        if reason is not None:
+            return error_response(ApiError(503, reason, code="engine_unavailable"))
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -112,7 +137,7 @@ def build_app(loop: EngineLoop, settings: ServeSettings):
         if scheme.lower() != "bearer" or not hmac.compare_digest(
                 token.strip().encode(), settings.api_key.encode()):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -121,24 +146,39 @@ def build_app(loop: EngineLoop, settings: ServeSettings):
             "id": settings.model_name, "object": "model", "created": protocol.now(),
             "owned_by": "rocdraft", "max_model_len": settings.max_model_len}]}
 
+    def prepare(kind: str, raw: bytes) -> GenerationRequest:
+        """In a worker thread: parse, render, check and tokenize."""
+        body = parse_json(raw)
+        req = protocol.parse_chat(body, render) if kind == "chat" \
+            else protocol.parse_completion(body)
+        check_model(req)
+        check_stop_token_ids(req, limits)
+        return admit(req, tokenizer, limits)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         check_api_key(request)
-        return await generate(request, protocol.parse_completion(await _json(request)))
+        return await generate(request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         check_api_key(request)
-        return await generate(request, protocol.parse_chat(await _json(request), render))
+        return await generate(request, "chat")
 
-    async def generate(request: Request, req: GenerationRequest):
+    def check_model(req: GenerationRequest) -> None:
         if req.model is not None and req.model != settings.model_name:
-            raise ApiError(404, f"model {req.model!r} is not served here; the served model is "
-                                f"{settings.model_name!r}", "model", "model_not_found")
-        if not loop.alive:
-            raise ApiError(503, "the server is shutting down")
+            raise ApiError(404, f"model {protocol.short(req.model)} is not served here; the "
+                                f"served model is {settings.model_name!r}", "model",
+                           "model_not_found")
+
+    async def generate(request: Request, kind: str):
+        reason = loop.health()
+        if reason is not None:
+            raise ApiError(503, reason, code="engine_unavailable")
+        raw = await request.body()
+        req = await asyncio.to_thread(prepare, kind, raw)
         capacity.check(len(req.prompts))
-        run = _Run(loop, capacity, req, protocol.new_id(req.kind), settings.model_name)
+        run = Run(loop, capacity, req, protocol.new_id(req.kind), settings.model_name)
         await run.start()
         if req.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream",
@@ -154,11 +194,19 @@ def build_app(loop: EngineLoop, settings: ServeSettings):
     return app
 
 
-async def _json(request):
+def parse_json(raw: bytes):
+    """The request body as JSON -> or a 400: not JSON, not UTF-8, nested too deep, or a
+    number too long to convert."""
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        return json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to parse") from None
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not UTF-8: {exc}") from None
+    except ValueError as exc:  # JSONDecodeError, and int strings over Python's digit limit
+        raise ApiError(400, f"the request body is not valid JSON: "
+                            f"{protocol.clip(str(exc))} (send a JSON object; the Content-Type "
+                            f"is not looked at)") from None
 
 
 async def _unless_disconnected(request, work):
@@ -178,194 +226,3 @@ async def _unless_disconnected(request, work):
         return task.result()
     task.cancel()
     return None
-
-
-class _Run:
-    """One HTTP request's engine requests (one per prompt) and the events they produce."""
-
-    def __init__(self, loop: EngineLoop, capacity: _Capacity, req: GenerationRequest,
-                 request_id: str, model: str) -> None:
-        self.loop, self.capacity, self.req, self.id, self.model = loop, capacity, req, \
-            request_id, model
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.created = protocol.now()
-        self.unfinished = set(range(len(req.prompts)))
-        self.pending: list = []  # events that came while acceptance was awaited
-        self.closed = False
-
-    def engine_id(self, index: int) -> str:
-        return f"{self.id}-{index}"
-
-    async def start(self) -> None:
-        """Submit every prompt; a 400 (all of them withdrawn) if the engine refuses one."""
-        self.capacity.in_flight += len(self.unfinished)
-        for index, prompt in enumerate(self.req.prompts):
-            self.loop.submit(self.engine_id(index), index, prompt, self.req.params,
-                             self.req.stop, self.events)
-        waiting, rejected = set(self.unfinished), None
-        try:
-            while waiting:
-                event = await self.events.get()
-                if isinstance(event, (Accepted, Rejected)):
-                    waiting.discard(event.index)
-                    if isinstance(event, Rejected):
-                        self._finished(event.index)
-                        rejected = rejected or event
-                else:
-                    self.pending.append(event)
-        except BaseException:
-            self.close()
-            raise
-        if rejected is not None:
-            self.close()
-            param = "messages" if self.req.kind == "chat" else "prompt"
-            where = f"prompt {rejected.index}: " if len(self.req.prompts) > 1 else ""
-            message = rejected.message.removeprefix(f"request {self.engine_id(rejected.index)!r}: ")
-            raise ApiError(400, where + message, param)
-
-    async def next_event(self) -> Delta:
-        event = self.pending.pop(0) if self.pending else await self.events.get()
-        if event.finish_reason is not None:
-            self._finished(event.index)
-        return event
-
-    def _finished(self, index: int) -> None:
-        if index in self.unfinished:
-            self.unfinished.discard(index)
-            self.capacity.in_flight -= 1
-
-    def close(self) -> None:
-        """Abort what has not finished (the client left, or an error) and free the slots."""
-        for index in list(self.unfinished):
-            self.loop.abort(self.engine_id(index))
-            self._finished(index)
-        self.closed = True
-
-    # --- non-streaming -----------------------------------------------------------------------
-
-    async def collect(self) -> dict:
-        n = len(self.req.prompts)
-        texts, ids = [[] for _ in range(n)], [[] for _ in range(n)]
-        last: list[Delta | None] = [None] * n
-        while self.unfinished:
-            event = await self.next_event()
-            texts[event.index].append(event.text)
-            ids[event.index].extend(event.token_ids)
-            last[event.index] = event
-        errors = [e.error for e in last if e is not None and e.finish_reason == "error"]
-        if errors:
-            body = ApiError(500, errors[0]).body()
-            body["_status"] = 500
-            return body
-        choices = [self._choice(i, "".join(texts[i]), ids[i], last[i]) for i in range(n)]
-        body = protocol.envelope(self.req.kind, self.id, self.model, self.created, False)
-        body["choices"] = choices
-        body.update(self._totals(last))
-        return body
-
-    def _choice(self, index: int, text: str, ids: list[int], last: Delta) -> dict:
-        choice = {"index": index, "finish_reason": last.finish_reason, "logprobs": None}
-        if self.req.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if self.req.return_token_ids:
-            choice["token_ids"] = ids
-        choice["rocdraft"] = protocol.acceptance(last.num_verify_steps,
-                                                 last.num_accepted_drafts)
-        return choice
-
-    @staticmethod
-    def _totals(last: list[Delta]) -> dict:
-        done = [e for e in last if e is not None]
-        return {"usage": protocol.usage(sum(e.prompt_tokens for e in done),
-                                        sum(e.completion_tokens for e in done)),
-                "rocdraft": protocol.acceptance(sum(e.num_verify_steps for e in done),
-                                                sum(e.num_accepted_drafts for e in done))}
-
-    # --- streaming ---------------------------------------------------------------------------
-
-    async def sse(self):
-        """Server-Sent Events: one chunk per engine output (several tokens with speculation),
-        the usage chunk when asked for, then ``data: [DONE]``. Leaving early (the client
-        disconnected) aborts the unfinished requests."""
-        n = len(self.req.prompts)
-        last: list[Delta | None] = [None] * n
-        try:
-            if self.req.kind == "chat":
-                for index in range(n):
-                    yield self._sse(self._chunk([{"index": index, "logprobs": None,
-                                                  "finish_reason": None, "delta": {
-                                                      "role": "assistant", "content": ""}}]))
-            while self.unfinished:
-                event = await self.next_event()
-                last[event.index] = event
-                if event.finish_reason == "error":
-                    yield self._sse(ApiError(500, event.error or "generation failed").body())
-                    continue
-                yield self._sse(self._chunk([self._stream_choice(event)]))
-            if self.req.include_usage:
-                chunk = self._chunk([])
-                chunk.update(self._totals(last))
-                yield self._sse(chunk)
-            yield "data: [DONE]\n\n"
-        finally:
-            self.close()
-
-    def _chunk(self, choices: list) -> dict:
-        chunk = protocol.envelope(self.req.kind, self.id, self.model, self.created, True)
-        chunk["choices"] = choices
-        return chunk
-
-    def _stream_choice(self, event: Delta) -> dict:
-        choice = {"index": event.index, "finish_reason": event.finish_reason, "logprobs": None}
-        if self.req.kind == "chat":
-            choice["delta"] = {"content": event.text} if event.text or not event.finish_reason \
-                else {}
-        else:
-            choice["text"] = event.text
-        if self.req.return_token_ids:
-            choice["token_ids"] = event.token_ids
-        ext = {"num_tokens": len(event.token_ids)}
-        if event.finish_reason is not None:
-            ext.update(protocol.acceptance(event.num_verify_steps, event.num_accepted_drafts))
-        choice["rocdraft"] = ext
-        return choice
-
-    @staticmethod
-    def _sse(payload: dict) -> str:
-        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def chat_renderer(settings: ServeSettings):
-    """``render(messages) -> prompt text`` with the model's Jinja2 chat template, as Hugging Face
-    renders it (sandboxed, trim_blocks/lstrip_blocks, add_generation_prompt, the special-token
-    strings); without a template, a 400 saying so."""
-    if settings.chat_template is None:
-        def refuse(messages):
-            raise ApiError(400, f"model {settings.model_name!r} has no chat template "
-                                f"(tokenizer_config.json has no chat_template); use "
-                                f"/v1/completions", "messages", "no_chat_template")
-        return refuse
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    try:
-        template = env.from_string(settings.chat_template)
-    except TemplateError as exc:
-        raise RocdraftError(f"the model's chat template does not compile: {exc}") from None
-
-    def render(messages):
-        try:
-            return template.render(messages=messages, add_generation_prompt=True,
-                                   **settings.special_tokens)
-        except TemplateError as exc:
-            raise ApiError(400, f"the chat template refused the messages: {exc}",
-                           "messages") from None
-
-    return render

@@ -22,8 +22,16 @@ decoded in this thread too (``TextStream``): a stop string then aborts the reque
 next step, so no tokens are generated past it.
 
 Events, in order, for each submitted request: ``Accepted`` or ``Rejected`` (add_request
-raised: a 400 naming the value; the engine is unchanged), then ``Delta``s, the last with
-``finish_reason`` set. A request aborted by its handler (client gone) gets no more events.
+raised: a 400 naming the value; the engine is unchanged; or the loop is dead: a 503), then
+``Delta``s, the last with ``finish_reason`` set. A request aborted by its handler (client
+gone) gets no more events.
+
+Health (``health()``, what /health answers): the loop is dead when its thread ended, or when
+the engine cannot step any more: a tensor-parallel worker died (the executor's sentinel watch
+tells this loop at once, also while it is idle) or a step failed that way. The loop then ends
+every request with an error event, refuses new ones with 503 and sets ``dead``.
+``abort_all(reason)`` (``--shutdown-timeout`` ran out) ends every request with
+``finish_reason`` "abort" and ``reason``; the loop keeps running.
 """
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ class Accepted:
 class Rejected:
     index: int
     message: str
+    status: int = 400  # 503: the loop is dead
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,12 @@ class EngineLoop:
         self.snapshot = self._take_snapshot()
         self.running = False
         self.error: str | None = None  # why the loop died, if it did
+        self.dead = threading.Event()  # set when the loop ended with ``error``
+        self._closed = False  # no command is taken any more (under _submit_lock)
+        self._submit_lock = threading.Lock()
+        executor = getattr(engine, "executor", None)
+        if executor is not None:  # a dead worker ends the loop at once, idle or not
+            executor.add_failure_listener(lambda reason: self._commands.put(("dead", reason)))
 
     # --- called from the event loop -----------------------------------------------------------
 
@@ -134,17 +149,39 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self.running and self._thread.is_alive()
+        return self.running and self._thread.is_alive() and not self.dead.is_set()
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve (its loop died, a tensor-parallel worker died), or
+        None when it can. Cheap: /health calls it on the event loop."""
+        if self.error is not None:
+            return f"the engine is dead: {self.error}"
+        failure = getattr(getattr(self.engine, "executor", None), "failure", None)
+        if failure is not None:
+            return f"the engine is dead: {failure}"
+        if not self.alive:
+            return "the engine loop is not running (the server is shutting down)"
+        return None
 
     def submit(self, request_id: str, index: int, prompt, params, stop: tuple[str, ...],
                events: asyncio.Queue) -> None:
-        """Queue a request; its events go to ``events`` (on the calling event loop)."""
+        """Queue a request; its events go to ``events`` (on the calling event loop). Once the
+        loop has ended, a 503 ``Rejected`` comes back at once."""
         sink = _Sink(asyncio.get_running_loop(), events)
-        self._commands.put(("add", request_id, index, prompt, params, stop, sink,
-                            time.perf_counter()))
+        with self._submit_lock:
+            if not self._closed:
+                self._commands.put(("add", request_id, index, prompt, params, stop, sink,
+                                    time.perf_counter()))
+                return
+        events.put_nowait(Rejected(index, self.health() or "the engine loop is not running",
+                                   503))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def abort_all(self, reason: str) -> None:
+        """End every request in flight with finish_reason "abort" and ``reason``."""
+        self._commands.put(("abort_all", reason))
 
     # --- the engine thread --------------------------------------------------------------------
 
@@ -160,15 +197,35 @@ class EngineLoop:
                     self._step()
                     self._flush()
                 self.snapshot = self._take_snapshot()
+        except _EngineDead as dead:
+            self.error = str(dead)
+            log.error("engine loop stopped: %s", self.error)
+            self._fail_all(self.error)
         except BaseException as exc:  # the loop must never die silently
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine loop stopped")
             self._fail_all(self.error)
         finally:
-            self._abort_all()
+            self._abort_all("the server is shutting down")
+            self._refuse_queued()
             self._flush()
             self.running = False
             self.snapshot = self._take_snapshot()
+            if self.error is not None:
+                self.dead.set()
+
+    def _refuse_queued(self) -> None:
+        """Take no more commands; requests still queued get a 503."""
+        with self._submit_lock:
+            self._closed = True
+        reason = self.health() or "the server is shutting down"
+        while True:
+            try:
+                command = self._commands.get(block=False)
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._emit(command[6], Rejected(command[2], reason, 503))
 
     def _emit(self, sink: _Sink, event) -> None:
         """Queue ``event`` for its handler; ``_flush`` sends it."""
@@ -194,6 +251,11 @@ class EngineLoop:
             kind = command[0]
             if kind == "stop":
                 return False
+            if kind == "dead":
+                raise _EngineDead(command[1])
+            if kind == "abort_all":
+                self._abort_all(command[1])
+                continue
             if kind == "abort":
                 if self._tracked.pop(command[1], None) is not None:
                     self.engine.abort_request(command[1])
@@ -216,6 +278,9 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a failed step ends the requests in it, not the server
+            failure = getattr(getattr(self.engine, "executor", None), "failure", None)
+            if failure is not None:  # ... unless the engine cannot step any more
+                raise _EngineDead(failure) from None
             log.exception("engine step failed")
             self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
             return
@@ -267,23 +332,25 @@ class EngineLoop:
         for request_id, tracked in list(self._tracked.items()):
             try:
                 self.engine.abort_request(request_id)
-            except Exception:  # the engine is already broken; the client still hears why
-                log.exception("abort of %s failed", request_id)
+            except Exception as exc:  # the engine is already broken; the client still hears
+                log.error("abort of %s failed: %s: %s", request_id, type(exc).__name__, exc)
             self._emit(tracked.sink, Delta(tracked.index, "", [], "error",
                                            tracked.prompt_tokens, len(tracked.tokens), 0, 0,
                                            message))
             self._count_finish("error")
         self._tracked.clear()
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, reason: str) -> None:
         for request_id, tracked in list(self._tracked.items()):
             try:
                 self.engine.abort_request(request_id)
-            except Exception:
-                log.exception("abort of %s failed", request_id)
+            except Exception as exc:
+                log.error("abort of %s failed: %s: %s", request_id, type(exc).__name__, exc)
+            log.warning("request %s aborted after %d tokens: %s", request_id,
+                        len(tracked.tokens), reason)
             self._emit(tracked.sink, Delta(tracked.index, "", [], "abort",
                                            tracked.prompt_tokens, len(tracked.tokens), 0, 0,
-                                           "the server is shutting down"))
+                                           reason))
             self._count_finish("abort")
         self._tracked.clear()
 
@@ -294,3 +361,7 @@ class EngineLoop:
                         engine.num_blocks, stats.generated_tokens, stats.num_verify_steps,
                         stats.num_accepted_drafts, tuple(stats.accepted_at_position),
                         tuple(stats.proposed_at_position), stats.num_preemptions)
+
+
+class _EngineDead(Exception):
+    """The engine cannot step any more (its message says why): the loop ends."""

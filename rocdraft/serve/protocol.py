@@ -24,18 +24,21 @@ UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (No
                "suffix": (None, ""), "best_of": (None, 1), "presence_penalty": (None, 0),
                "frequency_penalty": (None, 0), "logit_bias": (None, {}),
                "tools": (None, []), "functions": (None, [])}
+INT64_MAX = 2 ** 63 - 1
 
 
 class ApiError(Exception):
     """An error answered as OpenAI JSON with an HTTP status."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-             404: "invalid_request_error", 503: "server_error", 500: "server_error"}
+             404: "invalid_request_error", 413: "invalid_request_error",
+             503: "server_error", 500: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # extra response headers (401: WWW-Authenticate)
 
     def body(self) -> dict:
         return error_body(self.message, self.TYPES.get(self.status, "invalid_request_error"),
@@ -60,6 +63,7 @@ class GenerationRequest:
     include_usage: bool
     return_token_ids: bool
     model: str | None
+    max_tokens_given: bool = False  # the client set max_tokens (else a default, capped)
 
 
 def parse_completion(body) -> GenerationRequest:
@@ -96,18 +100,18 @@ def _object(body) -> dict:
 def _request(kind: str, body: dict, prompts: tuple, default_max_tokens) -> GenerationRequest:
     for name, allowed in UNSUPPORTED.items():
         if name in body and not any(_same(body[name], a) for a in allowed):
-            raise ApiError(400, f"{name}={body[name]!r} is not supported by rocdraft serve "
+            raise ApiError(400, f"{name}={short(body[name])} is not supported by rocdraft serve "
                                 f"(leave it unset)", name)
     n = body.get("n", 1)
     if n is not None and (isinstance(n, bool) or n != 1):
-        raise ApiError(400, f"n must be 1 (one choice per prompt), got {n!r}", "n")
+        raise ApiError(400, f"n must be 1 (one choice per prompt), got {short(n)}", "n")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(400, f"model must be a string, got {model!r}", "model")
+        raise ApiError(400, f"model must be a string, got {short(model)}", "model")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise ApiError(400, f"stream_options must be an object, got {options!r}",
+        raise ApiError(400, f"stream_options must be an object, got {short(options)}",
                        "stream_options")
     include_usage = bool(options and _flag(options, "include_usage", "stream_options."))
     if options and not stream:
@@ -115,7 +119,8 @@ def _request(kind: str, body: dict, prompts: tuple, default_max_tokens) -> Gener
                        "stream_options")
     return GenerationRequest(kind, prompts, sampling_params(body, default_max_tokens),
                              _stop_strings(body.get("stop")), stream, include_usage,
-                             _flag(body, "return_token_ids"), model)
+                             _flag(body, "return_token_ids"), model,
+                             max_tokens_given=body.get("max_tokens") is not None)
 
 
 def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParams:
@@ -124,13 +129,17 @@ def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParam
     values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     values.setdefault("max_tokens", default_max_tokens or 1 << 30)
     try:
-        return SamplingParams(**values)
+        params = SamplingParams(**values)
     except RocdraftError as exc:
         message = str(exc)
         param = next((f for f in SAMPLING_FIELDS if message.startswith(f)), None)
-        raise ApiError(400, message, param) from None
+        raise ApiError(400, clip(message), param) from None
     except TypeError as exc:  # e.g. stop_token_ids of the wrong kind reaching tuple()
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, clip(str(exc))) from None
+    if params.top_k > INT64_MAX:  # the sampler holds top_k in an int64 tensor
+        raise ApiError(400, f"top_k must be at most {INT64_MAX} (0 or -1: disabled), got "
+                            f"{short(params.top_k)}", "top_k")
+    return params
 
 
 def _prompts(prompt) -> tuple:
@@ -145,7 +154,7 @@ def _prompts(prompt) -> tuple:
         if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
             return tuple(list(p) for p in prompt)
     raise ApiError(400, f"prompt must be a string, a list of strings, a list of token ids or a "
-                        f"list of token-id lists, got {_short(prompt)}", "prompt")
+                        f"list of token-id lists, got {short(prompt)}", "prompt")
 
 
 def _message(index: int, message, images: list[bytes]) -> dict:
@@ -177,7 +186,7 @@ def _message(index: int, message, images: list[bytes]) -> dict:
         content = ""
     elif not isinstance(content, str):
         raise ApiError(400, f"{where}.content must be a string or a list of text parts, got "
-                            f"{_short(content)}", "messages")
+                            f"{short(content)}", "messages")
     return {**message, "content": content}
 
 
@@ -187,7 +196,7 @@ def _stop_strings(stop) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(400, f"stop must be a non-empty string or a list of them, got "
-                            f"{_short(stop)}", "stop")
+                            f"{short(stop)}", "stop")
     return tuple(stops)
 
 
@@ -196,7 +205,7 @@ def _flag(body: dict, name: str, prefix: str = "") -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(400, f"{prefix}{name} must be true or false, got {value!r}",
+        raise ApiError(400, f"{prefix}{name} must be true or false, got {short(value)}",
                        prefix + name)
     return value
 
@@ -214,7 +223,13 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _short(value) -> str:
+def clip(message: str, limit: int = 300) -> str:
+    """A message quoting a client's value, cut to ``limit`` characters (a 3 MB string in a
+    numeric field must not come back whole)."""
+    return message if len(message) <= limit else message[:limit - 3] + "..."
+
+
+def short(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
