@@ -1,4 +1,5 @@
-"""The few engine-facing steps of tensor parallelism, kept out of rocdraft/engine.py.
+"""The few engine-facing steps of tensor parallelism, kept out of the model runner
+(rocdraft/engine/model_runner.py).
 
 ``start_tensor_parallel`` refuses a size the target cannot split (``check_tensor_parallel``:
 tp < 1, not dividing the heads / KV heads / MLP rows, more than the visible GPUs) before any
