@@ -28,27 +28,13 @@ import time
 
 import httpx
 
-from soak_serve import free_port
+from soak_serve import start_server
 
 FIVE_MB_PROMPT = "x = 1\n" * 874000
 
 
 def start(*flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rocdraft.serve.command", "--port",
-                             str(port), "--log-level", "warning", *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with status {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    raise SystemExit("the server did not start")
+    return start_server(list(flags), timeout_s=600)
 
 
 def stop(proc: subprocess.Popen) -> None:

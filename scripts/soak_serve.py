@@ -79,14 +79,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(flags: list[str], timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
+    """``python -m rocdraft.serve.command`` on a free port with ``flags``, polled until
+    /health answers 200 -> (the process, its base url); SystemExit if it exits or does not
+    answer within ``timeout_s``."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rocdraft.serve.command", "--port",
-                             str(port), "--max-model-len", "512", "--max-num-seqs", "16",
-                             "--log-level", "warning", *flags],
+                             str(port), "--log-level", "warning", *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with status {proc.returncode} at start-up")
@@ -96,7 +98,7 @@ def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
         except httpx.TransportError:
             time.sleep(0.2)
     proc.kill()
-    raise SystemExit("the server did not answer /health within 300 s")
+    raise SystemExit(f"the server did not answer /health within {timeout_s:g} s")
 
 
 def rss_mb(pid: int) -> float:
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     proc = None
     if args.url is None:
-        proc, url = start_server(args.serve_flag)
+        proc, url = start_server(["--max-model-len", "512", "--max-num-seqs", "16", *args.serve_flag])
         pid = proc.pid
     else:
         url, pid = args.url.rstrip("/"), args.pid

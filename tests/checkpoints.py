@@ -290,6 +290,24 @@ def successor_map(target_dir: str | Path) -> torch.Tensor:
     return (embed @ lm_head.T).argmax(dim=1)
 
 
+def make_cyclic(state: dict[str, torch.Tensor], seed: int, noise: float,
+                sharpness: float) -> None:
+    """Turn a Llama-family trunk's ``state`` (keys under ``model.``, plus ``lm_head.weight``)
+    into one whose greedy next token is mostly a fixed random permutation of the current
+    token: the blocks' o_proj and down_proj scaled by ``noise``, the final norm 1, and
+    logits[y] = sharpness * cos(embed[inverse[y]], final hidden) (|embed| ~ sqrt(hidden))."""
+    g = torch.Generator().manual_seed(seed + 1)
+    embed = state["model.embed_tokens.weight"]
+    vocab, hidden = embed.shape
+    perm = torch.randperm(vocab, generator=g)
+    inverse = torch.empty_like(perm).index_copy_(0, perm, torch.arange(vocab))
+    for key in state:
+        if key.startswith("model.") and key.endswith(("o_proj.weight", "down_proj.weight")):
+            state[key] = state[key] * noise
+    state["model.norm.weight"] = torch.ones(hidden)
+    state["lm_head.weight"] = sharpness * embed[inverse] / hidden
+
+
 def write_cyclic_llama(directory: str | Path, seed: int = 0, noise: float = 1.1,
                        sharpness: float = 16.0, kind: str = "llama", **overrides) -> Path:
     """A tiny untied llama (4 layers: few, so the Triton interpreter stays quick) whose greedy
@@ -303,17 +321,7 @@ def write_cyclic_llama(directory: str | Path, seed: int = 0, noise: float = 1.1,
                                  **{"num_hidden_layers": 4, **overrides})
     path = directory / "model.safetensors"
     state = load_file(str(path))
-    g = torch.Generator().manual_seed(seed + 1)
-    embed = state["model.embed_tokens.weight"]
-    vocab, hidden = embed.shape
-    perm = torch.randperm(vocab, generator=g)
-    inverse = torch.empty_like(perm).index_copy_(0, perm, torch.arange(vocab))
-    for key in state:
-        if key.endswith(("o_proj.weight", "down_proj.weight")):
-            state[key] = state[key] * noise
-    state["model.norm.weight"] = torch.ones(hidden)
-    # logits[y] = sharpness * cos(embed[inverse[y]], final hidden), |embed| ~ sqrt(hidden).
-    state["lm_head.weight"] = sharpness * embed[inverse] / hidden
+    make_cyclic(state, seed, noise, sharpness)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
     return directory
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoints import TINY, _randomize, write_tiny_tokenizer
+from checkpoints import TINY, _randomize, make_cyclic, write_tiny_tokenizer
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 150, 151, 152, 153
 MROPE_SECTION = [2, 3, 3]  # head_dim 16 -> 8 frequencies
@@ -71,16 +71,7 @@ def write_tiny_qwen2_vl(directory: str | Path, seed: int = 0, cyclic: bool = Fal
     path = directory / "model.safetensors"
     state = load_file(str(path))
     if cyclic:
-        g = torch.Generator().manual_seed(seed + 1)
-        embed = state["model.embed_tokens.weight"]
-        vocab, hidden = embed.shape
-        perm = torch.randperm(vocab, generator=g)
-        inverse = torch.empty_like(perm).index_copy_(0, perm, torch.arange(vocab))
-        for key in state:
-            if key.startswith("model.") and key.endswith(("o_proj.weight", "down_proj.weight")):
-                state[key] = state[key] * noise
-        state["model.norm.weight"] = torch.ones(hidden)
-        state["lm_head.weight"] = sharpness * embed[inverse] / hidden
+        make_cyclic(state, seed, noise, sharpness)
     if language_model_keys:
         state = {("model.language_model." + k[6:] if k.startswith("model.") else
                   "model." + k if k.startswith("visual.") else k): v for k, v in state.items()}

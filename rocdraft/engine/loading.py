@@ -4,12 +4,15 @@ from __future__ import annotations
 import torch
 
 from rocdraft.backends import registry
+from rocdraft.models.compiled_regions import compiled_regions
 from rocdraft.models.config import HeadConfig, load_model_config, read_config_json
 from rocdraft.models.draft_loader import load_draft
 from rocdraft.models.llama import load_target
 from rocdraft.models.mtp_loader import load_mtp_head
 from rocdraft.models.qwen2_vl import is_vl_checkpoint, load_qwen2_vl, load_vl_config
+from rocdraft.models.rope import reserve_positions
 from rocdraft.models.tokenizer import load_tokenizer
+from rocdraft.spec_decode.draft_runner import DraftLimits, DraftRunner
 
 
 def load_target_model(path: str, dtype: torch.dtype, device: str, platform_kind: str,
@@ -73,10 +76,6 @@ def load_draft_runner(args, runner, tree, chain_in_tree_mode: bool):
     cache sizes) and build its DraftRunner. Under
     tensor parallelism the head runs on this rank alone, over whole copies of the target's
     vocabulary tables: its draft loop holds no collective (distributed/head_tables.py)."""
-    from rocdraft.models.compiled_regions import compiled_regions
-    from rocdraft.models.rope import reserve_positions
-    from rocdraft.spec_decode.draft_runner import DraftLimits, DraftRunner
-
     spec, device, kind = args.speculative_config, runner.device, runner.platform_kind
     vocab_source = runner.target
     if runner.executor is not None:

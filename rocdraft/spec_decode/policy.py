@@ -219,8 +219,8 @@ class DraftPolicy:
     def observe(self, step: StepRecord) -> None:
         """Fold one step into the estimates: the chain a tree config would have drafted on
         its verified trees (its tokens and acceptance), the chains' acceptance, the dynamic
-        trees' acceptance, then the step's time and tokens for the throughput guard and the
-        shape chooser (pure steps of one mode only)."""
+        trees' acceptance, then the step's times for the realized step times and its time and
+        tokens for the shape chooser (steps without prompt tokens only)."""
         chain_tokens = 0.0
         if self.shape_chooser is not None and step.tree_paths is not None:
             chain = chain_on_tree_step(
