@@ -126,8 +126,8 @@ def _kv_write(variant: str, dtype: torch.dtype, cache_dtype: torch.dtype,
                   "FP8_MIN_EXP": kind.fp8_min_exp, "BLOCK_T": 4, "BLOCK_H": 8,
                   "BLOCK_D": 128}
     return _spec(f"kv_write[{variant}]", kv_write.kv_write_kernel, types, constexprs,
-                 ("_store_rows", "_round_to_bf16_grid", "_round_to_fp8_grid"), targets,
-                 dtype_pair)
+                 ("_store_rows", "_round_to_bf16_grid", "quantize_fp8_rows",
+                  "_round_to_fp8_grid"), targets, dtype_pair)
 
 
 def _kv_compact(variant: str, bits: str, layout_splits: tuple[int, int, int, int],
@@ -179,8 +179,9 @@ def _rope_kv_write(variant: str, dtype: torch.dtype, cache_dtype: torch.dtype,
                   "FP8_MIN_EXP": kind.fp8_min_exp, "BLOCK_T": 1, "BLOCK_HQ": 32,
                   "BLOCK_HK": 8, "BLOCK_D": 128}
     spec = _spec(f"rope_kv_write[{variant}]", rope_kv_write.rope_kv_write_kernel, types,
-                 constexprs, ("_rotated_rows", "_store_cache_rows", "_round_to_dtype_grid",
-                              "_round_to_bf16_grid", "_round_to_fp8_grid"), targets, dtype_pair)
+                 constexprs, ("_rotated_rows", "_store_cache_rows", "quantize_fp8_rows",
+                              "_round_to_dtype_grid", "_round_to_bf16_grid",
+                              "_round_to_fp8_grid"), targets, dtype_pair)
     return dataclasses.replace(spec, options=(("enable_fp_fusion", False),))
 
 

@@ -69,6 +69,20 @@ def _round_to_fp8_grid(x, MIN_NORMAL_EXP: tl.constexpr, HAS_NEG_ZERO: tl.constex
 
 
 @triton.jit
+def quantize_fp8_rows(x, scale_ptr, scale_stride, head, row_valid, HAS_SCALE: tl.constexpr,
+                      FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+                      HAS_NEG_ZERO: tl.constexpr):
+    """x [ROWS, BLOCK_D] fp32 -> fp8 grid values as write_kv_reference stores them: divided
+    by the row's head scale (``HAS_SCALE``), saturated to +-FP8_MAX, rounded to nearest
+    even (``_round_to_fp8_grid``)."""
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + head * scale_stride, mask=row_valid, other=1.0)
+        x = tl.div_rn(x, scale.to(tl.float32)[:, None])
+    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    return _round_to_fp8_grid(x, FP8_MIN_EXP, HAS_NEG_ZERO)
+
+
+@triton.jit
 def _store_rows(src_ptr, src_stride_t, src_stride_h, cache_ptr, scale_ptr, scale_stride,
                 token, head, block, offset, row_valid, head_dim,
                 s_block, s_head, s_off_hi, s_off_lo, s_dim_hi, s_dim_lo,
@@ -84,11 +98,8 @@ def _store_rows(src_ptr, src_stride_t, src_stride_h, cache_ptr, scale_ptr, scale
     if CACHE_KIND == 1:  # bf16
         x = _round_to_bf16_grid(x)
     if CACHE_KIND >= 2:  # fp8: 2 = e4m3fn, 3 = e4m3fnuz
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr + head * scale_stride, mask=row_valid, other=1.0)
-            x = tl.div_rn(x, scale.to(tl.float32)[:, None])
-        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
-        x = _round_to_fp8_grid(x, FP8_MIN_EXP, CACHE_KIND == 2)
+        x = quantize_fp8_rows(x, scale_ptr, scale_stride, head, row_valid, HAS_SCALE, FP8_MAX,
+                              FP8_MIN_EXP, CACHE_KIND == 2)
     dst = (cache_ptr + block[:, None] * s_block + head[:, None] * s_head
            + (offset[:, None] // OFF_SPLIT) * s_off_hi + (offset[:, None] % OFF_SPLIT) * s_off_lo
            + (dims[None, :] // DIM_SPLIT) * s_dim_hi + (dims[None, :] % DIM_SPLIT) * s_dim_lo)

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from rocdraft.backends.kv_cache import FP8_DTYPES, NHD, LayerKVCache
 from rocdraft.backends.triton_kernels.fused_norm import DTYPES, ROUND_CODES, _round_to_dtype_grid
-from rocdraft.backends.triton_kernels.kv_write import _round_to_fp8_grid, cache_kind
+from rocdraft.backends.triton_kernels.kv_write import cache_kind, quantize_fp8_rows
 
 
 @triton.jit
@@ -71,11 +71,8 @@ def _store_cache_rows(x, cache_ptr, scale_ptr, scale_stride, block, offset, head
     dims = tl.arange(0, BLOCK_D)
     mask = row_valid[:, None] & (dims < head_dim)[None, :]
     if CACHE_KIND >= 2:  # fp8: 2 = e4m3fn, 3 = e4m3fnuz
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr + head * scale_stride, mask=row_valid, other=1.0)
-            x = tl.div_rn(x, scale.to(tl.float32)[:, None])
-        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
-        x = _round_to_fp8_grid(x, FP8_MIN_EXP, CACHE_KIND == 2)
+        x = quantize_fp8_rows(x, scale_ptr, scale_stride, head, row_valid, HAS_SCALE, FP8_MAX,
+                              FP8_MIN_EXP, CACHE_KIND == 2)
     dst = (cache_ptr + block[:, None] * s_block + offset[:, None] * s_off
            + head[:, None] * s_head + dims[None, :])
     tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
