@@ -9,8 +9,18 @@ from rocdraft.backends.kv_cache import PADDING_SLOT_ID
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.drafter.tree_index import host_depths, verify_tree_mask
 from rocdraft.core.multimodal import step_inputs as step_image_inputs
-from rocdraft.platform import host_to_device
 from rocdraft.core.scheduler import ScheduledRequest
+from rocdraft.core.step_inputs import StepInputBuffers
+
+
+@dataclass(frozen=True)
+class PaddedInputs:
+    """A batch's inputs over every row of its bucket (padding rows after the real ones)."""
+
+    input_ids: torch.Tensor  # [bucket * q] int64
+    positions: torch.Tensor  # [bucket * q] int64
+    common: CommonAttentionMetadata  # num_reqs = bucket, num_actual_tokens = bucket * q
+    sample_indices: torch.Tensor  # [bucket, max_drafts + 1] int64
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,9 @@ class StepBatch:
     # embeddings (models/embed_splice.py EmbedSplice); None without images.
     target_splice: object | None = None
     head_splice: object | None = None
+    # A batch padded to a graph bucket (``build_step_batch(pad_to=...)``): the full padded
+    # inputs in the graph runner's persistent buffer; None otherwise.
+    padded: "PaddedInputs | None" = None
 
     @property
     def max_drafts(self) -> int:
@@ -40,8 +53,11 @@ class StepBatch:
 
 
 def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
-                     block_size: int, device: torch.device | str) -> StepBatch:
-    """Token ids, positions, block table, slot mapping and sampling indices of one step.
+                     block_size: int, device: torch.device | str,
+                     uploader: StepInputBuffers | None = None,
+                     pad_to: int | None = None) -> StepBatch:
+    """Token ids, positions, block table, slot mapping and sampling indices of one step,
+    on the device after one host-to-device copy (rocdraft/core/step_inputs.py).
 
     Request i contributes its tokens ``all_token_ids[num_computed : num_computed + n - d]``
     followed by its ``d`` drafts; the logits that verify them sit at its last ``d + 1``
@@ -51,6 +67,13 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     Tree drafts (``request.spec_parents`` set, the tree contract): draft i sits at sequence
     index L + 1 + i (its slot) with RoPE position L + depth(i), and ``common.spec_mask`` lets
     each see only its ancestors (``drafter.tree_index.verify_tree_mask``).
+
+    ``pad_to`` (a uniform batch: every request computes the same q tokens, no images): the
+    inputs are written for ``pad_to`` rows into the uploader's persistent buffer (the graph
+    runner's static inputs, rocdraft/engine/target_graphs.py) and ``batch.padded`` holds
+    them; padding rows are q tokens of id 0 at position 0 with slot -1 (never written),
+    seq_len q, an all -1 block-table row and no drafts. The batch's own tensors are views
+    of the first rows.
     """
     ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
     max_drafts = max((s.num_draft_tokens for s in scheduled), default=0)
@@ -88,34 +111,98 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         draft_rows.append(req.spec_token_ids[:d] + [0] * (max_drafts - d))
         next_index = start + n
         backups.append(req.token_id_at(next_index) if next_index < req.num_tokens else 0)
-    block_table = torch.tensor(table_rows, dtype=torch.int32).view(len(scheduled),
-                                                                   max_blocks_per_seq)
-    common = CommonAttentionMetadata.from_cpu(qsl, seq_lens, block_table,
-                                              torch.tensor(slots, dtype=torch.long), device,
-                                              no_padding_slots=PADDING_SLOT_ID not in slots)
-    draft_parents = None
-    if is_tree and not all(p == list(range(-1, len(p) - 1)) for p in tree_parents):
-        # A chain's tree mask is the causal one (rocdraft/spec_decode/draft_shape.py drafts chains in
-        # tree mode): only a branching tree needs it.
-        common = common.with_updates(spec_mask=host_to_device(
-            verify_tree_mask(tree_parents, max_drafts + 1), device))
-    if is_tree:
-        draft_parents = host_to_device(torch.tensor(
-            [p + [-1] * (max_drafts - len(p)) for p in tree_parents],
-            dtype=torch.long).view(len(scheduled), max_drafts), device)
+    num_reqs, num_tokens = len(scheduled), qsl[-1]
+    no_padding_slots = PADDING_SLOT_ID not in slots
     num_drafts = [s.num_draft_tokens for s in scheduled]
     samples = [s.completes_prefill for s in scheduled]
+    discard = [not s for s in samples]
+    # A chain's tree mask is the causal one (rocdraft/spec_decode/draft_shape.py drafts chains
+    # in tree mode): only a branching tree needs it.
+    branching = is_tree and not all(p == list(range(-1, len(p) - 1)) for p in tree_parents)
+    real_seq_lens, real_qsl = list(seq_lens), list(qsl)
+    if pad_to is not None:
+        q = _uniform_query_len(scheduled, pad_to)
+        for _ in range(pad_to - num_reqs):  # padding rows (see the docstring)
+            first = qsl[-1]
+            ids += [0] * q
+            positions += [0] * q
+            slots += [PADDING_SLOT_ID] * q
+            qsl.append(first + q)
+            seq_lens.append(q)
+            table_rows.append([-1] * max_blocks_per_seq)
+            sample_rows.append([first + min(j, q - 1) for j in range(max_drafts + 1)])
+            draft_rows.append([0] * max_drafts)
+            num_drafts.append(0)
+            backups.append(0)
+            discard.append(True)
+            tree_parents.append([])
+    rows = len(table_rows)
+    host = {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "positions": torch.tensor(positions, dtype=torch.long),
+        "slot_mapping": torch.tensor(slots, dtype=torch.long),
+        "sample_indices": torch.tensor(sample_rows, dtype=torch.long).view(rows, max_drafts + 1),
+        "draft_token_ids": torch.tensor(draft_rows, dtype=torch.long).view(rows, max_drafts),
+        "num_draft_tokens": torch.tensor(num_drafts, dtype=torch.long),
+        "backup_next_token_ids": torch.tensor(backups, dtype=torch.long),
+        "query_start_loc": torch.tensor(qsl, dtype=torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "discard_request": torch.tensor(discard, dtype=torch.bool),
+        "block_table": torch.tensor(table_rows, dtype=torch.int32).view(rows,
+                                                                        max_blocks_per_seq),
+    }
+    if is_tree:
+        host["draft_parents"] = torch.tensor(
+            [p + [-1] * (max_drafts - len(p)) for p in tree_parents],
+            dtype=torch.long).view(rows, max_drafts)
+    if branching:
+        host["spec_mask"] = verify_tree_mask(tree_parents, max_drafts + 1)
+    uploader = uploader or StepInputBuffers(device)
+    dev = uploader.upload(host, persistent=pad_to is not None)
 
-    def dev(values, dtype=torch.long):  # host list -> device without blocking the host
-        return host_to_device(torch.tensor(values, dtype=dtype), device)
+    def common_of(num_rows: int, tokens: int, qsl_host: list[int], lens_host: list[int],
+                  no_padding: bool) -> CommonAttentionMetadata:
+        return CommonAttentionMetadata(
+            query_start_loc=dev["query_start_loc"][:num_rows + 1],
+            query_start_loc_cpu=torch.tensor(qsl_host, dtype=torch.int32),
+            seq_lens=dev["seq_lens"][:num_rows],
+            seq_lens_cpu=torch.tensor(lens_host, dtype=torch.int32), num_reqs=num_rows,
+            num_actual_tokens=tokens,
+            max_query_len=max((b - a for a, b in zip(qsl_host, qsl_host[1:])), default=0),
+            max_seq_len=max(lens_host, default=0),
+            block_table=dev["block_table"][:num_rows], slot_mapping=dev["slot_mapping"][:tokens],
+            spec_mask=dev["spec_mask"][:num_rows] if branching else None,
+            no_padding_slots=no_padding)
 
-    images = step_image_inputs(image_rows, positions, qsl, device)
+    common = common_of(num_reqs, num_tokens, real_qsl, real_seq_lens, no_padding_slots)
+    padded = None
+    if pad_to is not None:
+        padded = PaddedInputs(dev["input_ids"], dev["positions"],
+                              common_of(rows, qsl[-1], qsl, seq_lens, False),
+                              dev["sample_indices"])
+    images = step_image_inputs(image_rows, positions[:num_tokens], real_qsl, device)
     return StepBatch(
-        input_ids=dev(ids), positions=dev(positions) if images is None else images.positions,
+        input_ids=dev["input_ids"][:num_tokens],
+        positions=dev["positions"][:num_tokens] if images is None else images.positions,
         common=common,
-        sample_indices=dev(sample_rows),
-        draft_token_ids=dev(draft_rows).view(len(scheduled), max_drafts),
-        num_draft_tokens=dev(num_drafts), num_draft_tokens_cpu=num_drafts, samples=samples,
-        discard_request=dev([not s for s in samples], torch.bool),
-        backup_next_token_ids=dev(backups), draft_parents=draft_parents,
-        target_splice=images and images.target_splice, head_splice=images and images.head_splice)
+        sample_indices=dev["sample_indices"][:num_reqs],
+        draft_token_ids=dev["draft_token_ids"][:num_reqs],
+        num_draft_tokens=dev["num_draft_tokens"][:num_reqs],
+        num_draft_tokens_cpu=num_drafts[:num_reqs], samples=samples,
+        discard_request=dev["discard_request"][:num_reqs],
+        backup_next_token_ids=dev["backup_next_token_ids"][:num_reqs],
+        draft_parents=dev["draft_parents"][:num_reqs] if is_tree else None,
+        target_splice=images and images.target_splice, head_splice=images and images.head_splice,
+        padded=padded)
+
+
+def _uniform_query_len(scheduled: list[ScheduledRequest], pad_to: int) -> int:
+    """The one query length of a batch that may be padded to ``pad_to`` rows, else
+    ValueError naming what breaks uniformity."""
+    lengths = {s.num_new_tokens for s in scheduled}
+    if len(lengths) != 1 or not 0 < len(scheduled) <= pad_to:
+        raise ValueError(f"a padded batch needs 1..{pad_to} requests of one query length, "
+                         f"got {len(scheduled)} with query lengths {sorted(lengths)}")
+    if any(getattr(s.request, "images", None) is not None for s in scheduled):
+        raise ValueError("a batch with images cannot be padded (M-RoPE positions)")
+    return lengths.pop()

@@ -50,6 +50,10 @@ class EngineArgs:
     wherever drafting runs and replay their static buffers eagerly when capture is refused
     (the CPU path that proves padded, bucketed execution equals unpadded).
 
+    ``enforce_eager``: capture nothing, neither the target forward
+    (rocdraft/engine/target_graphs.py) nor the draft loop (as
+    ``SpeculativeConfig.enforce_eager`` does for the draft loop alone).
+
     ``sync_timing``: synchronise a GPU at each phase boundary so the stats' time split is
     exact (benchmarks), at the cost of host syncs."""
 
@@ -72,6 +76,7 @@ class EngineArgs:
     distributed_timeout_s: float = DEFAULT_TIMEOUT_S
     compile: bool | str = False
     graph_mode: str = "auto"
+    enforce_eager: bool = False
     sync_timing: bool = False
     config: EngineConfig = field(init=False, repr=False)  # the model-facing subset
 
@@ -90,8 +95,10 @@ class EngineArgs:
                                 "SpeculativeConfig(method='eagle' or 'eagle3', ...)")
         if self.graph_mode not in GRAPH_MODES:
             raise RocdraftError(f"unknown graph_mode {self.graph_mode!r}; valid: {GRAPH_MODES}")
-        if not isinstance(self.sync_timing, bool):
-            raise RocdraftError(f"sync_timing must be True or False, got {self.sync_timing!r}")
+        for name in ("sync_timing", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise RocdraftError(f"{name} must be True or False, got "
+                                    f"{getattr(self, name)!r}")
         platform = detect_platform()
         device = self.device or platform.device
         if isinstance(device, str) and device.startswith("cuda") and not platform.is_gpu:
@@ -117,6 +124,12 @@ class EngineArgs:
         target's own (its MTP layers, models/mtp_loader.py)."""
         spec = self.speculative_config
         return self.target if spec is not None and spec.method == "mtp" else self.draft
+
+    @property
+    def eager(self) -> bool:
+        """Nothing is captured: ``enforce_eager`` here or in the speculative config."""
+        spec = self.speculative_config
+        return self.enforce_eager or (spec is not None and spec.enforce_eager)
 
     @property
     def compile_backend(self) -> str | None:

@@ -1,6 +1,8 @@
 """Loading the target and the draft head with attention backends the registry chose."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from rocdraft.backends import registry
@@ -77,6 +79,8 @@ def load_draft_runner(args, runner, tree, chain_in_tree_mode: bool):
     tensor parallelism the head runs on this rank alone, over whole copies of the target's
     vocabulary tables: its draft loop holds no collective (distributed/head_tables.py)."""
     spec, device, kind = args.speculative_config, runner.device, runner.platform_kind
+    if args.eager and not spec.enforce_eager:  # EngineArgs.enforce_eager: nothing captured
+        spec = replace(spec, enforce_eager=True)
     vocab_source = runner.target
     if runner.executor is not None:
         from rocdraft.distributed.head_tables import load_vocab_tables

@@ -27,9 +27,13 @@ from rocdraft.config import SchedulerConfig
 from rocdraft.core.kv_budget import kv_bytes_per_block, plan_kv_cache
 from rocdraft.core.scheduler import ScheduledRequest
 from rocdraft.core.step_batch import StepBatch, build_step_batch
+from rocdraft.core.step_inputs import StepInputBuffers
 from rocdraft.distributed.engine_setup import start_tensor_parallel, worker_spec
 from rocdraft.engine.args import EngineArgs
+from rocdraft.drafter.graphs import capture_buckets
 from rocdraft.engine.loading import load_target_model
+from rocdraft.engine.target_graphs import (TargetGraphRunner, input_bytes_bound,
+                                           target_graph_refusal)
 from rocdraft.errors import RocdraftError
 from rocdraft.models.compiled_regions import compiled_regions
 from rocdraft.models.rope import reserve_positions
@@ -104,6 +108,34 @@ class ModelRunner:
                                            args.block_size, num_kv_heads, head_dim,
                                            self.torch_dtype, self.device)
         self.sampling_cache = SamplingTensorCache()  # a batch's sampling tensors, kept
+        self.graphs, self.graph_refusal = self._graph_runner(args, num_lookahead_tokens)
+        cfg = self.scheduler_config
+        self.step_inputs = StepInputBuffers(self.device, 0 if self.graphs is None else
+                                            input_bytes_bound(self.graphs.buckets[-1],
+                                                              self.graphs.max_query_len,
+                                                              cfg.max_blocks_per_seq))
+
+    def _graph_runner(self, args: EngineArgs, num_lookahead_tokens: int
+                      ) -> tuple[TargetGraphRunner | None, str | None]:
+        """The target's graph runner (rocdraft/engine/target_graphs.py) and why it does not
+        capture: built where capture is allowed, or everywhere with ``graph_mode=
+        "replay-eagerly"`` (the CPU replays its static inputs eagerly) unless tensor
+        parallelism or compile rule it out; None where neither."""
+        refusal = target_graph_refusal(self.backend, self.device, args.eager,
+                                       self.executor is not None,
+                                       args.compile_backend is not None)
+        replay = args.graph_mode == "replay-eagerly" and self.executor is None \
+            and args.compile_backend is None
+        if refusal is not None:
+            log.info("target forward runs eagerly: %s", refusal)
+        if refusal is not None and not replay:
+            return None, refusal
+        runner = TargetGraphRunner(self.target, self.builder, self.kv_caches,
+                                   capture_buckets(args.max_num_seqs),
+                                   max_query_len=num_lookahead_tokens + 1,
+                                   max_seq_len=self.max_model_len,
+                                   use_graphs=refusal is None)
+        return runner, refusal
 
     def start_workers(self, target: str) -> None:
         """Start the TP workers once rank 0 is built (they load their shards of ``target``
@@ -127,19 +159,24 @@ class ModelRunner:
         return time.perf_counter()
 
     def build_batch(self, scheduled: list[ScheduledRequest]) -> StepBatch:
-        """The step's inputs on the host and the device (rocdraft/core/step_batch.py)."""
+        """The step's inputs on the host and, in one copy, on the device
+        (rocdraft/core/step_batch.py); padded to its bucket when the graph runner runs it."""
         cfg = self.scheduler_config
+        bucket = self.graphs.bucket_for(scheduled) if self.graphs is not None else None
         return build_step_batch(scheduled, cfg.max_blocks_per_seq, cfg.block_size,
-                                self.device)
+                                self.device, self.step_inputs, pad_to=bucket)
 
     def forward(self, batch: StepBatch, aux_layer_ids: tuple[int, ...] = ()):
         """The target forward over ``batch`` (with its image embeddings spliced in, for a
         vision-language target) -> (model output: hidden_states [num_tokens, H] and the
         inputs of ``aux_layer_ids``, logits [B, max_drafts + 1, V] at the sample positions)."""
-        metadata = self.builder.build(batch.common)
-        images = {} if batch.target_splice is None else {"splice": batch.target_splice}
-        out = self.target(batch.input_ids, batch.positions, self.kv_caches, metadata,
-                          aux_layer_ids=aux_layer_ids, **images)
+        if batch.padded is not None:  # a uniform batch: its graph (rocdraft/engine/target_graphs.py)
+            out = self.graphs.forward(batch, aux_layer_ids)
+        else:
+            metadata = self.builder.build(batch.common)
+            images = {} if batch.target_splice is None else {"splice": batch.target_splice}
+            out = self.target(batch.input_ids, batch.positions, self.kv_caches, metadata,
+                              aux_layer_ids=aux_layer_ids, **images)
         flat = batch.sample_indices.view(-1)
         logits = self.target.compute_logits(out.hidden_states[flat]).view(
             batch.common.num_reqs, batch.max_drafts + 1, -1)

@@ -59,11 +59,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--draft-attention-backend", default=None)
     p.add_argument("--enforce-eager", action="store_true",
-                   help="never capture the draft loop in a CUDA/HIP graph")
-    p.add_argument("--compile", nargs="?", const="inductor", default=None,
-                   choices=("inductor", "aot_eager", "eager"), metavar="BACKEND",
-                   help="torch.compile the dense halves of every target and head block "
-                        "(BACKEND inductor when omitted; off by default: it lost on the CPU)")
+                   help="capture nothing in CUDA/HIP graphs: neither the target forward nor "
+                        "the draft loop")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the target over N processes (N GPUs; gloo processes on the "
                         "CPU); rank 0 is this process, the others are started (or come from "
@@ -154,8 +151,8 @@ def make_llm_kwargs(args) -> dict:
             "dtype": args.dtype, "device": args.device,
             "attention_backend": args.attention_backend,
             "draft_attention_backend": args.draft_attention_backend,
-            "block_size": args.block_size, **sizing_kwargs(args), **parallel_kwargs(args),
-            **({"compile": args.compile} if getattr(args, "compile", None) else {})}
+            "block_size": args.block_size, "enforce_eager": args.enforce_eager,
+            **sizing_kwargs(args), **parallel_kwargs(args)}
 
 
 def parallel_kwargs(args) -> dict:

@@ -1,0 +1,145 @@
+"""The target forward of uniform batches as CUDA/HIP graphs, one per (bucket, query length).
+
+A uniform batch is one where every request computes the same number ``q`` of query tokens
+and none has images: decode steps (q = 1), chain verification (q = k + 1, every request
+carrying k drafts) and tree verification (q = the tree's nodes + 1). Such a batch of ``B``
+requests runs in the smallest capture bucket ``>= B`` (drafter/graphs.py
+``capture_buckets``): ``build_step_batch(pad_to=bucket)`` writes its inputs for every row
+of the bucket into this runner's persistent input buffer in one host-to-device copy
+(rocdraft/core/step_inputs.py), padding rows writing slot -1 (never the KV cache), and the
+graph of its key replays. Everything else (prefill chunks, mixed steps, images, batches
+larger than the largest bucket, sequences past ``max_seq_len``) runs eagerly: prompt
+chunks carry enough tokens that their launches are not the bottleneck, and their shapes
+vary every step.
+
+Key: (bucket, q, drafts per row, tree mask or not, aux layers). The host integers the
+forward reads (rows, tokens, ``max_query_len``, and ``max_seq_len`` = this runner's bound)
+follow from the key alone, so a replay with new inputs runs exactly what was captured.
+Graphs are captured on first use of a key (two warm-up runs on a side stream, then the
+capture; their writes are the very K/V the step writes, so repeating them is harmless), all
+in one memory pool; ``capture_bytes`` records each capture's pool growth.
+
+On the CPU (no graphs) the very same function runs eagerly on the same padded static
+inputs: tests compare it against the unpadded eager forward.
+
+What is captured: metadata build (``build_for_graph_capture``), embedding, every decoder
+layer (KV write and attention included) and the final norm. The logits at the sample
+positions are computed eagerly on the real rows (one matmul; capturing them would hold a
+[bucket * q, vocab] float32 buffer per key in the pool).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rocdraft.backends.base import Feature
+from rocdraft.core.scheduler import ScheduledRequest
+from rocdraft.core.step_batch import StepBatch
+
+log = logging.getLogger(__name__)
+
+
+def target_graph_refusal(backend, device: str, enforce_eager: bool, tensor_parallel: bool,
+                         compiled: bool) -> str | None:
+    """Why the target forward will not be captured, or None when it will be."""
+    if enforce_eager:
+        return "enforce_eager is set"
+    if tensor_parallel:
+        return "tensor parallelism: the forward holds collectives with the worker processes"
+    if compiled:
+        return "compile is set"
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return "no GPU: graphs need CUDA or HIP (the CPU replays the same buffers eagerly)"
+    if not backend.capabilities.has(Feature.FULL_GRAPH_CAPTURE):
+        return (f"target attention backend {backend.name} declares graph capture "
+                f"{backend.capabilities.graph_capture.name}, not FULL")
+    return None
+
+
+def input_bytes_bound(rows: int, max_query_len: int, max_blocks_per_seq: int) -> int:
+    """Bytes of the largest padded step input (rocdraft/core/step_batch.py's sections at
+    ``rows`` requests of ``max_query_len`` tokens, tree parents and mask included), with
+    16 bytes of alignment slack per section.
+
+    Example: 4 rows, q 5, 8 blocks per row -> 8 * (3 * 20 + 20 + 16 + 8 + 16) + 4 * 5
+    + 4 * 4 + 4 + 4 * 32 + 100 + 13 * 16 = 1436.
+    """
+    tokens, drafts = rows * max_query_len, max_query_len - 1
+    int64s = 3 * tokens + rows * max_query_len + rows * drafts + 2 * rows + rows * drafts
+    int32s = (rows + 1) + rows + rows * max_blocks_per_seq
+    return 8 * int64s + 4 * int32s + rows + rows * max_query_len ** 2 + 13 * 16
+
+
+class TargetGraphRunner:
+    def __init__(self, target, builder, kv_caches: list, buckets: tuple[int, ...],
+                 max_query_len: int, max_seq_len: int, use_graphs: bool) -> None:
+        """``max_query_len``: the longest uniform query it runs (1 + a step's drafts);
+        ``max_seq_len``: the longest sequence a captured forward attends over (a host bound
+        backends may size work buffers by: TORCH_SDPA gathers [bucket, max_seq_len] keys
+        per layer, drafter/graphs.py ``sdpa_gather_bytes``)."""
+        self.target, self.builder, self.kv_caches = target, builder, kv_caches
+        self.buckets = tuple(sorted(buckets))
+        self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
+        self.use_graphs = use_graphs
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple, object] = {}  # key -> the captured forward's output
+        self.capture_bytes: dict[tuple, int] = {}
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.num_replays = 0  # steps this runner ran (replayed, or eagerly on the CPU)
+
+    def bucket_for(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The bucket this runner runs the batch in, or None when it runs eagerly
+        (not uniform, images, too many rows, too long a query or sequence)."""
+        if not scheduled or len(scheduled) > self.buckets[-1]:
+            return None
+        q = scheduled[0].num_new_tokens
+        if q > self.max_query_len or any(s.num_new_tokens != q for s in scheduled):
+            return None
+        if any(s.request.num_computed_tokens + q > self.max_seq_len
+               or getattr(s.request, "images", None) is not None for s in scheduled):
+            return None
+        return next(b for b in self.buckets if b >= len(scheduled))
+
+    def forward(self, batch: StepBatch, aux_layer_ids: tuple[int, ...]):
+        """The target forward of a padded batch -> its TargetOutput over the real tokens
+        (views of the static outputs: valid until the next step)."""
+        padded = batch.padded
+        common = padded.common
+        key = (common.num_reqs, common.max_query_len, batch.max_drafts,
+               common.spec_mask is not None, tuple(aux_layer_ids))
+        if not self.use_graphs:
+            out = self._run(batch, aux_layer_ids)
+        else:
+            if key not in self.graphs:
+                self._capture(key, batch, aux_layer_ids)
+            self.graphs[key].replay()
+            out = self.outputs[key]
+        self.num_replays += 1
+        tokens = batch.common.num_actual_tokens
+        return type(out)(out.hidden_states[:tokens],
+                         tuple(a[:tokens] for a in out.aux_hidden_states))
+
+    def _run(self, batch: StepBatch, aux_layer_ids: tuple[int, ...]):
+        """The forward on the static inputs, with the key's host integers."""
+        padded = batch.padded
+        common = padded.common.with_updates(max_seq_len=self.max_seq_len)
+        metadata = self.builder.build_for_graph_capture(common)
+        return self.target(padded.input_ids, padded.positions, self.kv_caches, metadata,
+                           aux_layer_ids=aux_layer_ids)
+
+    def _capture(self, key: tuple, batch: StepBatch, aux_layer_ids: tuple[int, ...]) -> None:
+        before = torch.cuda.memory_reserved()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: lazy inits, autotuning, allocator growth
+                self._run(batch, aux_layer_ids)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[key] = self._run(batch, aux_layer_ids)
+        self.graphs[key] = graph
+        self.capture_bytes[key] = torch.cuda.memory_reserved() - before
+        log.info("captured the target forward for (bucket, q, drafts, tree mask, aux) %s: "
+                 "%d bytes reserved", key, self.capture_bytes[key])
