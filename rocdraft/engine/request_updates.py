@@ -14,14 +14,14 @@ from rocdraft.core.step_batch import StepBatch
 from rocdraft.drafter.tree_index import host_depths
 from rocdraft.outputs import GenerationStats
 from rocdraft.sample.tree_sampler import TreeVerifyResult
-from rocdraft.spec_decode.draft_runner import drafts_to_host
+from rocdraft.spec_decode.draft_runner import ChainDrafts
 from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
 
 
 @dataclass(frozen=True)
 class HostStep:
     """A step's results on the host: sampled [B][k+1] (-1 = rejected), the next drafts per
-    request (``drafts_to_host``) or None, and for a verified tree whose paths the policy
+    request (a chain's tokens, or a tree's (tokens, parents, scores)) or None, and for a verified tree whose paths the policy
     reads, the accepted node per depth and the verified trees' parents (read before the
     requests take the next drafts; [] for a request that verified a chain), else None."""
 
@@ -33,15 +33,50 @@ class HostStep:
 
 def read_step(sampled: torch.Tensor, drafts, verified_tree: TreeVerifyResult | None,
               scheduled: list[ScheduledRequest], policy: DraftPolicy | None) -> HostStep:
-    """The step's device results on the host: ``sampled.tolist()`` is the one read a step
-    needs (the drafts and, where the policy asks, the tree paths follow it)."""
-    sampled_cpu = sampled.tolist()
-    drafts_cpu = drafts_to_host(drafts, policy is not None and policy.wants_tree_scores)
-    paths = verified_tree.accepted_nodes.tolist() \
-        if verified_tree is not None and policy.wants_tree_paths else None
+    """The step's device results on the host in ONE device-to-host read: the sampled tokens,
+    the next drafts (a chain's tokens, or a tree's tokens, parents and node counts) and,
+    where the policy asks, the verified trees' paths, concatenated on the device first. A
+    dynamic tree's scores, when the cost-based tree budget keeps them, are a second read."""
+    parts = [sampled]
+    if isinstance(drafts, ChainDrafts):
+        parts.append(drafts.tokens)
+    elif drafts is not None:  # TreeDrafts
+        parts += [drafts.tokens, drafts.parents, drafts.num_nodes.view(-1, 1)]
+    want_paths = verified_tree is not None and policy.wants_tree_paths
+    if want_paths:
+        parts.append(verified_tree.accepted_nodes)
+    host = read_together(parts)
+    sampled_cpu = host[0]
+    drafts_cpu = None
+    if isinstance(drafts, ChainDrafts):
+        drafts_cpu = host[1]
+    elif drafts is not None:
+        keep_scores = policy is not None and policy.wants_tree_scores
+        scores = drafts.scores.tolist() if keep_scores and drafts.scores is not None \
+            else [[]] * len(sampled_cpu)
+        drafts_cpu = [(tokens[:n], parents[:n], row_scores[:n])
+                      for tokens, parents, (n,), row_scores
+                      in zip(host[1], host[2], host[3], scores)]
+    paths = host[-1] if want_paths else None
     parents = None if paths is None else \
         [s.request.spec_parents[:s.num_draft_tokens] for s in scheduled]
     return HostStep(sampled_cpu, drafts_cpu, paths, parents)
+
+
+def read_together(parts: list[torch.Tensor]) -> list[list[list[int]]]:
+    """[B, w_i] integer tensors on the device -> each one's rows on the host, after one
+    device-to-host copy of their concatenation.
+
+    Example: [[[1, 2]], [[3]]] as tensors -> [[[1, 2]], [[3]]].
+    """
+    rows = torch.cat([p.long() for p in parts], dim=1).tolist() if len(parts) > 1 \
+        else parts[0].tolist()
+    out, start = [], 0
+    for part in parts:
+        width = part.shape[1]
+        out.append([row[start:start + width] for row in rows])
+        start += width
+    return out
 
 
 @dataclass

@@ -1,0 +1,225 @@
+"""The target forward's graph runner (rocdraft/engine/target_graphs.py) on the CPU: it
+replays eagerly through the very static, padded inputs a GPU engine captures, so these
+tests prove that padded, bucketed execution equals the unpadded eager engine (decode, chain
+verification, tree verification; at bucket boundaries; with preemption and with requests
+joining and leaving between steps), that padding rows never write the KV cache, and that a
+step reads the device once. That the captured graphs replay these results on a GPU is for
+tests/test_gpu_end_to_end.py on the hardware.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
+from sync_counter import count_syncs
+from rocdraft.config import SamplingParams, SpeculativeConfig
+from rocdraft.core.request import Request
+from rocdraft.core.scheduler import Scheduler
+from rocdraft.engine import LLM, LLMEngine
+from rocdraft.engine.args import EngineArgs
+from rocdraft.engine.model_runner import ModelRunner
+from rocdraft.engine.target_graphs import input_bytes_bound, target_graph_refusal
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# Five prompts: batches of 1..5 cross the buckets 1, 2, 4, 8 of max_num_seqs 8.
+PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 22)), [4] * 11, [3, 3, 3]]
+TREE = "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A cyclic target and an EAGLE-3 head that is right most of the time."""
+    root = tmp_path_factory.mktemp("target_graphs")
+    target = write_cyclic_llama(root / "target")
+    return str(target), str(write_cyclic_eagle3_head(root / "eagle3", target))
+
+
+def _spec(kind: str) -> dict:
+    if kind == "target":
+        return {}
+    tree = {"speculative_token_tree": TREE} if kind == "tree" else {}
+    return {"speculative_config": SpeculativeConfig("eagle3", 3, draft_policy="fixed",
+                                                    **tree)}
+
+
+def _llm(pair, kind: str, **kwargs) -> LLM:
+    target, head = pair
+    return LLM(target, draft=None if kind == "target" else head, max_num_seqs=8,
+               block_size=4, max_model_len=96, **_spec(kind), **kwargs)
+
+
+def test_refusal_reasons():
+    from rocdraft.backends.registry import get_backend
+
+    sdpa = get_backend("TORCH_SDPA")
+    assert target_graph_refusal(sdpa, "cuda", True, False, False) == "enforce_eager is set"
+    assert "tensor parallelism" in target_graph_refusal(sdpa, "cuda", False, True, False)
+    assert target_graph_refusal(sdpa, "cuda", False, False, True) == "compile is set"
+    assert "no GPU" in target_graph_refusal(sdpa, "cpu", False, False, False)
+
+
+@pytest.mark.parametrize("rows, q, blocks", [(4, 5, 8), (1, 1, 1), (64, 26, 512)])
+def test_input_bytes_bound_covers_the_largest_padded_tree_batch(rows, q, blocks):
+    """The persistent buffer is sized by the bound: the sections build_step_batch writes
+    for ``rows`` tree requests of q tokens (the largest layout) fit in it."""
+    from rocdraft.core.step_inputs import Section, section_offsets
+
+    tokens, drafts = rows * q, q - 1
+    sections = [Section(n, torch.long, (tokens,)) for n in ("ids", "pos", "slots")] + [
+        Section("sample", torch.long, (rows, q)), Section("drafts", torch.long, (rows, drafts)),
+        Section("num", torch.long, (rows,)), Section("backup", torch.long, (rows,)),
+        Section("qsl", torch.int32, (rows + 1,)), Section("seq", torch.int32, (rows,)),
+        Section("discard", torch.bool, (rows,)),
+        Section("table", torch.int32, (rows, blocks)),
+        Section("parents", torch.long, (rows, drafts)),
+        Section("mask", torch.bool, (rows, q, q))]
+    assert section_offsets(sections)[1] <= input_bytes_bound(rows, q, blocks)
+    if (rows, q, blocks) == (4, 5, 8):
+        assert input_bytes_bound(rows, q, blocks) == 1436  # the docstring's example
+
+
+def test_only_uniform_batches_without_images_go_to_a_bucket(pair):
+    runner = ModelRunner(EngineArgs(pair[0], max_num_seqs=8, block_size=4, max_model_len=96,
+                                    graph_mode="replay-eagerly"), [], 3)
+    graphs = runner.graphs
+    assert graphs is not None and not graphs.use_graphs
+    assert graphs.buckets == (1, 2, 4, 8) and graphs.max_query_len == 4
+    scheduler = Scheduler(runner.scheduler_config)
+    for i, prompt in enumerate([[1, 2, 3], [4, 5, 6], [7, 8]]):
+        scheduler.add(Request(i, prompt, GREEDY))
+    first = scheduler.schedule()  # prompts of 3, 3 and 2 tokens: not uniform
+    assert graphs.bucket_for(first) is None
+    assert graphs.bucket_for(first[:2]) == 2  # two 3-token prompts are (q = 3)
+    assert graphs.bucket_for(first[:1]) == 1
+    for item in first:
+        scheduler.update_after_step(item, 0)
+        item.request.append_tokens([9], 96)
+    decode = scheduler.schedule()  # one token each: q = 1, three rows -> bucket 4
+    assert [s.num_new_tokens for s in decode] == [1, 1, 1]
+    assert graphs.bucket_for(decode) == 4
+    batch = runner.build_batch(decode)
+    padded = batch.padded
+    assert padded is not None and padded.common.num_reqs == 4
+    assert padded.common.slot_mapping[3:].tolist() == [-1]  # the padding row writes nowhere
+    assert padded.common.block_table[3].tolist() == [-1] * runner.scheduler_config.max_blocks_per_seq
+    assert batch.common.num_reqs == 3 and batch.input_ids.shape == (3,)
+    # The batch's own tensors are views of the padded static inputs (one upload).
+    assert batch.input_ids.data_ptr() == padded.input_ids.data_ptr()
+    assert batch.common.block_table.data_ptr() == padded.common.block_table.data_ptr()
+    # Longer than a step's drafts allow, or past max_seq_len: eager.
+    runner.graphs.max_seq_len = 3
+    assert graphs.bucket_for(decode) is None
+
+
+def test_padding_rows_never_write_the_kv_cache(pair):
+    """Canary: every cache slot outside the real rows' slot mapping keeps its value through
+    a padded forward (three decode rows in bucket 4), and the real rows' hidden states equal
+    the unpadded eager forward's."""
+    args = dict(max_num_seqs=8, block_size=4, max_model_len=96)
+    runners = [ModelRunner(EngineArgs(pair[0], graph_mode=mode, **args), [], 3)
+               for mode in ("auto", "replay-eagerly")]
+    hidden = []
+    for runner in runners:
+        scheduler = Scheduler(runner.scheduler_config)
+        for i, prompt in enumerate([[1, 2, 3], [4, 5, 6, 7, 8], [7, 8]]):
+            scheduler.add(Request(i, prompt, GREEDY))
+        prefill = scheduler.schedule()
+        batch = runner.build_batch(prefill)
+        out, _ = runner.forward(batch)
+        for item in prefill:
+            scheduler.update_after_step(item, 0)
+            item.request.append_tokens([9], 96)
+        decode = scheduler.schedule()
+        batch = runner.build_batch(decode)
+        written = batch.common.slot_mapping.tolist()
+        canary = [(c.key.clone(), c.value.clone()) for c in runner.kv_caches]
+        out, _ = runner.forward(batch)
+        hidden.append(out.hidden_states)
+        for cache, (key, value) in zip(runner.kv_caches, canary):
+            for flat in (cache.key.view(-1, *cache.key.shape[2:]),
+                         cache.value.view(-1, *cache.value.shape[2:])):
+                untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+                untouched[written] = False
+                before = (key if flat.data_ptr() == cache.key.data_ptr() else value)
+                assert torch.equal(flat[untouched], before.view(flat.shape)[untouched])
+    eager, replayed = hidden
+    assert runners[1].graphs.num_replays == 1 and runners[0].graphs is None
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["target", "chain", "tree"])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_replay_equals_eager_at_bucket_boundaries(pair, kind, seeded):
+    """Greedy and seeded random outputs of batches of 1, 2, 3, 4 and 5 requests (buckets 1,
+    2, 4, 4, 8) are the eager engine's, decode and verify steps ran through the runner, and
+    drafts were accepted."""
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True) \
+        if seeded else GREEDY
+    eager, replaying = _llm(pair, kind), _llm(pair, kind, graph_mode="replay-eagerly")
+    graphs = replaying.model_runner.graphs
+    for size in (1, 2, 3, 4, 5):
+        prompts = PROMPTS[:size]
+        expected = [o.token_ids for o in eager.generate(prompts, params)]
+        before = graphs.num_replays
+        assert [o.token_ids for o in replaying.generate(prompts, params)] == expected, size
+        # Every decode / verify step was padded into a bucket: 11 decodes after the prompt
+        # step, or at least two verify steps of accepted drafts.
+        assert graphs.num_replays - before >= (11 if kind == "target" else 2)
+        if kind != "target" and not seeded:
+            assert replaying.last_stats.acceptance_length > 1.5
+            assert replaying.last_stats.accepted_at_position == \
+                eager.last_stats.accepted_at_position
+
+
+def test_preemption_and_requests_joining_and_leaving(pair):
+    """Under KV pressure (preemptions) and with requests added and aborted between steps,
+    the replaying engine streams exactly the eager engine's tokens."""
+    outputs = []
+    for mode in ("auto", "replay-eagerly"):
+        engine = LLMEngine(pair[0], draft=pair[1], max_num_seqs=8, block_size=4,
+                           max_model_len=48, num_kv_blocks=16, graph_mode=mode,
+                           **_spec("chain"))
+        streamed, step = {}, 0
+        arrivals = {0: [0, 1], 2: [2, 3], 4: [4]}
+        while step < 6 or engine.has_unfinished_requests():
+            for i in arrivals.get(step, []):
+                engine.add_request(i, PROMPTS[i], GREEDY)
+                streamed[i] = []
+            if step == 5:
+                assert engine.abort_request(1)
+            for out in engine.step():
+                streamed[out.request_id] += out.new_token_ids
+            step += 1
+        assert engine.stats.num_preemptions > 0
+        assert engine.stats.acceptance_length > 1.5
+        if mode == "replay-eagerly":
+            assert engine.model_runner.graphs.num_replays > 0
+        outputs.append(streamed)
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("kind", ["target", "chain", "tree"])
+def test_decode_and_verify_steps_read_the_device_once(pair, kind):
+    """Inside a decode or verify step nothing reads a device value on the host (no
+    ``.item()``, ``.tolist()``, ``nonzero``, ...) except the step's one read of its results
+    (engine/request_updates.py ``read_step``); the inputs go up in one upload."""
+    engine = LLMEngine(pair[0], draft=None if kind == "target" else pair[1], max_num_seqs=8,
+                       block_size=4, max_model_len=96, graph_mode="replay-eagerly",
+                       **_spec(kind))
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(i, prompt, GREEDY)
+    engine.step()  # the prompts
+    uploads, replays = engine.model_runner.step_inputs.num_uploads, \
+        engine.model_runner.graphs.num_replays
+    for _ in range(3):
+        with count_syncs() as counter:
+            engine.step()
+        assert counter.total == 1, counter.counts
+        ((what, where),) = counter.counts
+        assert what == "Tensor.tolist" and where.endswith("read_together"), where
+    assert engine.model_runner.step_inputs.num_uploads - uploads == 3
+    assert engine.model_runner.graphs.num_replays - replays == 3
+    if kind != "target":
+        assert engine.stats.acceptance_length > 1.5
+
