@@ -5,6 +5,9 @@
   ROCM_AITER_FA only run fp16/bf16, where batch-shape-dependent rounding can flip a near-tie,
   so they are compared on a prefix);
 - the draft loop captured as CUDA/HIP graphs per bucket equals eager drafting;
+- the target forward captured per (bucket, query length) equals the eager engine for
+  decode, chain and tree verification at every bucket 1..8, reports its capture memory, and
+  a captured decode / verify step reads the device once;
 - tree speculation (static and dynamic trees: tree-masked verification, KV compaction with
   the device kernels, the per-level tree loop captured per bucket) equals target-only;
 - the fused kernels (HIP extension, Triton) through the drafter's dispatch equal the torch
@@ -194,3 +197,43 @@ def test_hip_extension_kernels_on_device_equal_references():
         write_kv_reference(key, value, ref, slots)
         dispatch.write_kv_hip(key, value, got, slots)
         assert torch.equal(ref.key, got.key) and torch.equal(ref.value, got.value)
+
+
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "TRITON_ATTN"])
+@pytest.mark.parametrize("kind", ["target", "chain", "tree"])
+def test_captured_target_forward_equals_eager(pair, backend, kind):
+    """float32, so exact: batches of 1..8 requests (every bucket of max_num_seqs 8) give the
+    enforce_eager engine's tokens with the target forward captured; graphs were captured
+    and their pool growth recorded; a step after the first replays reads the device once."""
+    from sync_counter import count_syncs
+    from rocdraft.engine import LLM, LLMEngine
+
+    reason = _runnable(backend)
+    if reason:
+        pytest.skip(f"{backend} cannot run here: {reason}")
+    tree = {"speculative_token_tree": "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"} \
+        if kind == "tree" else {}
+    spec = {} if kind == "target" else {"draft": pair["eagle3"], "speculative_config":
+                                        SpeculativeConfig("eagle3", 3, draft_policy="fixed",
+                                                          **tree)}
+    kwargs = dict(device="cuda", dtype="float32", attention_backend=backend, max_num_seqs=8,
+                  max_model_len=256, **spec)
+    eager = LLM(pair["target"], enforce_eager=True, **kwargs)
+    captured = LLM(pair["target"], **kwargs)
+    graphs = captured.model_runner.graphs
+    assert graphs is not None and graphs.use_graphs
+    prompts = PROMPTS + [[2, 4, 6, 8], [5] * 7, [9, 8, 7]]
+    for size in range(1, 9):
+        expected = [o.token_ids for o in eager.generate(prompts[:size], GREEDY)]
+        assert [o.token_ids for o in captured.generate(prompts[:size], GREEDY)] == expected
+    assert graphs.graphs and all(b >= 0 for b in graphs.capture_bytes.values())
+    print(f"{backend} {kind}: {len(graphs.graphs)} target graphs, capture bytes "
+          f"{graphs.capture_bytes}")
+    engine = LLMEngine(pair["target"], **kwargs)
+    for i, prompt in enumerate(prompts[:3]):
+        engine.add_request(i, prompt, GREEDY)
+    engine.step()
+    engine.step()  # captures this bucket's graph
+    with count_syncs() as counter:
+        engine.step()
+    assert counter.total == 1, counter.counts

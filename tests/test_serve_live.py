@@ -63,11 +63,16 @@ def target_with_template(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(target_with_template):
     """(base url, engine, reference outputs): the engine is an LLM so the references come from
-    its own ``generate`` before it starts serving."""
-    llm = LLM(target_with_template, builtin_paths().eagle3,
-              speculative_config=SpeculativeConfig(method="eagle3", num_speculative_tokens=3,
-                                                   draft_policy="fixed"),
-              max_model_len=256, max_num_seqs=16)
+    its own ``generate`` before it starts serving. It runs its target forward and draft loop
+    through the graph runners a GPU engine captures (``graph_mode="replay-eagerly"``: the
+    same padded static inputs, replayed eagerly here), so every server test below also
+    covers requests joining and leaving the runners' buckets; its outputs equal an eager
+    engine's (checked here on the first prompts)."""
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=3, draft_policy="fixed")
+    llm = LLM(target_with_template, builtin_paths().eagle3, speculative_config=spec,
+              max_model_len=256, max_num_seqs=16, graph_mode="replay-eagerly")
+    eager = LLM(target_with_template, builtin_paths().eagle3, speculative_config=spec,
+                max_model_len=256, max_num_seqs=16).generate(PROMPTS, GREEDY)
     settings = ServeSettings(model_name=MODEL, max_model_len=llm.max_model_len,
                              max_num_seqs=16, max_waiting_requests=0, api_key=KEY,
                              chat_template=llm.tokenizer.chat_template,
@@ -78,6 +83,8 @@ def server(target_with_template):
     chat_prompt = chat_renderer(settings)([{"role": "user", "content": "Write a loop."}])
     concurrent = [f"x{i} = {i} *" for i in range(16)]
     refs = llm.generate(PROMPTS + [chat_prompt] + concurrent, GREEDY)
+    assert [r.token_ids for r in refs[:len(PROMPTS)]] == [r.token_ids for r in eager]
+    assert llm.model_runner.graphs.num_replays > 0
     reference = {"prompts": refs[:len(PROMPTS)], "chat": refs[len(PROMPTS)],
                  "concurrent": refs[len(PROMPTS) + 1:], "concurrent_prompts": concurrent}
     srv, thread, port = start_in_thread(llm, settings, shutdown_timeout=5, log_level="warning")
