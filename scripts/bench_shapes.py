@@ -17,6 +17,8 @@ lengths, so no shape is first met while timed); the rocdraft systems are timed i
 (repeat by repeat, system by system), transformers after them (the two models do not share
 the GPU at once). Also:
 
+- ``--compare-eager``: target-only again with ``enforce_eager`` (the target forward not
+  captured: the A/B of rocdraft/engine/target_graphs.py; identical on the CPU).
 - ``--compare-unfused``: target-only again with the fused Triton kernels off (an A/B of
   models/fused_layers.py, interleaved with the others; on the CPU both rows run the same code);
 - the spec-step / decode-step time ratio: wall time per engine step (prefill included) of the
@@ -71,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf", choices=("none", "eager", "static", "both"),
                    help="transformers systems (default: both on cuda, eager on cpu)")
     p.add_argument("--profile-tokens", type=int, default=16, help="tokens of the profiled run")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="also target-only with enforce_eager (no captured target forward)")
     p.add_argument("--compare-unfused", action="store_true",
                    help="also time target-only with ROCDRAFT_FUSED_KERNELS=0 (A/B of the fused "
                         "kernels; a third copy of the weights in memory)")
@@ -134,6 +138,8 @@ def rocdraft_systems(args, target: Path, head: Path) -> dict[str, object]:
     systems = {"rocdraft": LLM(str(target), **common),
                "rocdraft_chain": LLM(str(target), draft=str(head), speculative_config=spec,
                                      **common)}
+    if args.compare_eager:  # the captured target forward's A/B (the same on the CPU)
+        systems["rocdraft_eager"] = LLM(str(target), enforce_eager=True, **common)
     if args.compare_unfused:  # the target reads ROCDRAFT_FUSED_KERNELS when it is built
         previous = os.environ.get("ROCDRAFT_FUSED_KERNELS")
         os.environ["ROCDRAFT_FUSED_KERNELS"] = "0"

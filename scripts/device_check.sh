@@ -103,7 +103,8 @@ step bench_engine 85 rocdraft bench --device cuda --compare chain,dynamic --comp
 # make room (deps/installs/backends/benches by 5-10 s each, the GPU tests 110 -> 95: they took
 # 48 s on the H200).
 step bench_shapes 60 python scripts/bench_shapes.py --shape llama-3.1-8b --device cuda \
-    --batch-size 1 --batch-size 8 --prompt-len 64 --max-new-tokens 32 --repeats 1 --hf none
+    --batch-size 1 --batch-size 8 --prompt-len 64 --max-new-tokens 32 --repeats 1 --hf none \
+    --compare-eager
 
 # 4. Slow part last: the HIP/CUDA extension (JIT build for this GPU's arch) and its tests.
 export ROCDRAFT_HIP_KERNELS=1

@@ -33,12 +33,13 @@ def test_tiny_shape_on_cpu_reports_every_field(bench, tmp_path, capsys):
     code = bench.main(["--shape", "tiny", "--device", "cpu", "--json", "--batch-size", "1",
                        "--batch-size", "2", "--prompt-len", "8", "--max-new-tokens", "6",
                        "--repeats", "2", "--profile-tokens", "4", "--compare-unfused",
+                       "--compare-eager",
                        "--checkpoint-root", str(tmp_path)])
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["shape"] == "tiny" and out["device"] == "cpu" and out["threads"] == 1
     assert set(out["systems"]) == {"rocdraft", "rocdraft_chain", "rocdraft_unfused",
-                                   "hf_eager"}
+                                   "rocdraft_eager", "hf_eager"}
     assert "ROCDRAFT_FUSED_KERNELS" not in os.environ  # restored after the A/B system
     for name, by_bs in out["systems"].items():
         assert set(by_bs) == {"1", "2"}, name

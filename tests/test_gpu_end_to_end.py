@@ -6,7 +6,7 @@
   so they are compared on a prefix);
 - the draft loop captured as CUDA/HIP graphs per bucket equals eager drafting;
 - the target forward captured per (bucket, query length) equals the eager engine for
-  decode, chain and tree verification at every bucket 1..8, reports its capture memory, and
+  decode, chain and tree verification at every bucket of max_num_seqs 8, reports its capture memory, and
   a captured decode / verify step reads the device once;
 - tree speculation (static and dynamic trees: tree-masked verification, KV compaction with
   the device kernels, the per-level tree loop captured per bucket) equals target-only;
@@ -202,7 +202,8 @@ def test_hip_extension_kernels_on_device_equal_references():
 @pytest.mark.parametrize("backend", ["TORCH_SDPA", "TRITON_ATTN"])
 @pytest.mark.parametrize("kind", ["target", "chain", "tree"])
 def test_captured_target_forward_equals_eager(pair, backend, kind):
-    """float32, so exact: batches of 1..8 requests (every bucket of max_num_seqs 8) give the
+    """float32, so exact: batches of 1, 2, 3 and 5 requests (buckets 1, 2, 4, 8 of
+    max_num_seqs 8) give the
     enforce_eager engine's tokens with the target forward captured; graphs were captured
     and their pool growth recorded; a step after the first replays reads the device once."""
     from sync_counter import count_syncs
@@ -223,7 +224,7 @@ def test_captured_target_forward_equals_eager(pair, backend, kind):
     graphs = captured.model_runner.graphs
     assert graphs is not None and graphs.use_graphs
     prompts = PROMPTS + [[2, 4, 6, 8], [5] * 7, [9, 8, 7]]
-    for size in range(1, 9):
+    for size in (1, 2, 3, 5):
         expected = [o.token_ids for o in eager.generate(prompts[:size], GREEDY)]
         assert [o.token_ids for o in captured.generate(prompts[:size], GREEDY)] == expected
     assert graphs.graphs and all(b >= 0 for b in graphs.capture_bytes.values())
