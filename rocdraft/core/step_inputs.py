@@ -59,8 +59,8 @@ class StepInputBuffers:
     """Host staging and (optionally persistent) device memory for a step's inputs.
 
     ``upload(values, persistent)``: values name -> host tensor (any dtype/shape) -> name ->
-    device view, after exactly one host-to-device copy (none on the CPU, where the device
-    buffer is filled directly). ``persistent=True`` writes into the buffer this object owns
+    device view, after exactly one host-to-device copy (none on the CPU: a fresh upload
+    returns the host tensors themselves, a persistent one fills the buffer directly). ``persistent=True`` writes into the buffer this object owns
     (the graph runner's static inputs; they are overwritten by the next persistent upload),
     else into fresh device memory that the step's tensors own alone."""
 
@@ -97,10 +97,11 @@ class StepInputBuffers:
             raise ValueError(f"step inputs of {used} bytes exceed the persistent buffer of "
                              f"{self.persistent.numel()} bytes (sized at construction)")
         self.num_uploads += 1
-        if not self.on_gpu:  # the CPU: the device buffer is host memory; fill it directly
-            target = self.persistent if persistent else torch.empty(used, dtype=torch.uint8)
-            _fill(target, values, sections, offsets)
-            return typed_views(target, sections, offsets)
+        if not self.on_gpu:  # the CPU: the "device" is host memory
+            if not persistent:
+                return dict(values)  # the host tensors themselves: nothing to copy
+            _fill(self.persistent, values, sections, offsets)
+            return typed_views(self.persistent, sections, offsets)
         staging = self._staging_for(used)
         _fill(staging, values, sections, offsets)
         target = self.persistent if persistent else torch.empty(used, dtype=torch.uint8,
