@@ -87,3 +87,31 @@ def test_a_tp1_runner_has_no_workers_and_closes_twice(paths):
     runner.close()
     runner.close()
     assert runner.clock() > 0
+
+
+def test_the_policy_clock_ignores_time_the_process_is_off_the_cpu(paths, monkeypatch):
+    """On the CPU the draft policy learns step times from this thread's CPU time
+    (``work_clock``): a step during which the process waited (here a sleep in the target
+    forward, as when other jobs hold the cores) looks as long to the policy as an unloaded
+    one, while the stats' wall-clock split shows the wait."""
+    import time
+
+    from rocdraft.config import SpeculativeConfig
+    from rocdraft.engine import LLMEngine
+
+    runner = _runner(paths[0])
+    start = runner.work_clock()
+    time.sleep(0.2)
+    assert runner.work_clock() - start < 0.05
+    engine = LLMEngine(paths[0], draft=paths[1], speculative_config=SpeculativeConfig(
+        "eagle3", 2, draft_policy="fixed"))
+    records, forward, observe = [], engine.model_runner.forward, engine.policy.observe
+    monkeypatch.setattr(engine.model_runner, "forward",
+                        lambda *a, **k: (time.sleep(0.1), forward(*a, **k))[1])
+    monkeypatch.setattr(engine.policy, "observe", lambda r: (records.append(r), observe(r)))
+    engine.add_request(0, [1, 5, 7, 9], GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert len(records) == 3 and all(r.seconds < 0.08 for r in records), \
+        [r.seconds for r in records]
+    assert engine.stats.time_s["target_verify"] >= 0.3

@@ -228,27 +228,27 @@ class LLMEngine:
         runner, drafter, policy = self.model_runner, self.draft_runner, self.policy
         if drafter is not None and not scheduler.running:
             self._ensure_step_costs(scheduler)
-        t0 = runner.clock()
+        t0, w0 = runner.clock(), runner.work_clock()
         scheduled = scheduler.schedule()
         batch = runner.build_batch(scheduled)
         t1 = runner.clock()
         out, logits = runner.forward(batch, drafter.aux_layer_ids if drafter else ())
         t2 = runner.clock()
         sampled, verified_tree = runner.verify(logits, batch, scheduled)
-        t3 = runner.clock()
+        t3, w3 = runner.clock(), runner.work_clock()
         num_drafts = policy.num_drafts(len(scheduled)) if policy is not None else 0
         has_prefill = _has_prefill(scheduled)
         drafts, shape = None, None
         if num_drafts or (drafter is not None and has_prefill):
             drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts)
-        t4 = runner.clock()
+        t4, w4 = runner.clock(), runner.work_clock()
         host = read_step(sampled, drafts, verified_tree, scheduled, policy)
         results = apply_step(scheduler, scheduled, batch, host.sampled, host.drafts, stats,
                              self.max_model_len, num_drafts, host.tree_paths)
-        t5 = runner.clock()
-        if policy is not None:
-            policy.observe(step_record(scheduled, batch, host, results, has_prefill, t5 - t0,
-                                       num_drafts if drafts is not None else 0, t4 - t3,
+        t5, w5 = runner.clock(), runner.work_clock()
+        if policy is not None:  # step times on the work clock (ModelRunner.work_clock)
+            policy.observe(step_record(scheduled, batch, host, results, has_prefill, w5 - w0,
+                                       num_drafts if drafts is not None else 0, w4 - w3,
                                        shape=shape))
         stats.add_step_times(bookkeeping=(t1 - t0) + (t5 - t4), target_verify=t2 - t1,
                              sampler=t3 - t2, draft=t4 - t3)

@@ -158,6 +158,16 @@ class ModelRunner:
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    def work_clock(self) -> float:
+        """The clock the draft policy learns step times from. On the CPU this thread's CPU
+        time: time the machine's other jobs take from this process does not count, so the
+        policy's choices do not follow the machine's load (the engine's own intra-op
+        threads run beside this one, which stays busy while they work). On a GPU the host
+        clock, as ``clock`` (the GPU's time passes while the host waits)."""
+        if self.device == "cpu":
+            return time.thread_time()
+        return self.clock()
+
     def build_batch(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         """The step's inputs on the host and, in one copy, on the device
         (rocdraft/core/step_batch.py); padded to its bucket when the graph runner runs it."""
