@@ -161,8 +161,9 @@ class ModelRunner:
     def work_clock(self) -> float:
         """The clock the draft policy learns step times from. On the CPU this thread's CPU
         time: time the machine's other jobs take from this process does not count, so the
-        policy's choices do not follow the machine's load (the engine's own intra-op
-        threads run beside this one, which stays busy while they work). On a GPU the host
+        policy's choices do not follow the machine's load (with several intra-op threads it
+        counts this thread's part, which tracks the step's work while torch splits it
+        evenly; the issue's figures use 1 thread). On a GPU the host
         clock, as ``clock`` (the GPU's time passes while the host waits)."""
         if self.device == "cpu":
             return time.thread_time()
