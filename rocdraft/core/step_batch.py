@@ -160,38 +160,42 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     uploader = uploader or StepInputBuffers(device)
     dev = uploader.upload(host, persistent=pad_to is not None)
 
+    def first(name: str, count: int) -> torch.Tensor:  # the real rows (all when unpadded)
+        return dev[name] if pad_to is None else dev[name][:count]
+
     def common_of(num_rows: int, tokens: int, qsl_host: list[int], lens_host: list[int],
-                  no_padding: bool) -> CommonAttentionMetadata:
+                  no_padding: bool, cut=first) -> CommonAttentionMetadata:
         return CommonAttentionMetadata(
-            query_start_loc=dev["query_start_loc"][:num_rows + 1],
+            query_start_loc=cut("query_start_loc", num_rows + 1),
             query_start_loc_cpu=torch.tensor(qsl_host, dtype=torch.int32),
-            seq_lens=dev["seq_lens"][:num_rows],
+            seq_lens=cut("seq_lens", num_rows),
             seq_lens_cpu=torch.tensor(lens_host, dtype=torch.int32), num_reqs=num_rows,
             num_actual_tokens=tokens,
             max_query_len=max((b - a for a, b in zip(qsl_host, qsl_host[1:])), default=0),
             max_seq_len=max(lens_host, default=0),
-            block_table=dev["block_table"][:num_rows], slot_mapping=dev["slot_mapping"][:tokens],
-            spec_mask=dev["spec_mask"][:num_rows] if branching else None,
+            block_table=cut("block_table", num_rows), slot_mapping=cut("slot_mapping", tokens),
+            spec_mask=cut("spec_mask", num_rows) if branching else None,
             no_padding_slots=no_padding)
 
     common = common_of(num_reqs, num_tokens, real_qsl, real_seq_lens, no_padding_slots)
     padded = None
     if pad_to is not None:
         padded = PaddedInputs(dev["input_ids"], dev["positions"],
-                              common_of(rows, qsl[-1], qsl, seq_lens, False),
+                              common_of(rows, qsl[-1], qsl, seq_lens, False,
+                                        cut=lambda name, _: dev[name]),
                               dev["sample_indices"])
     images = step_image_inputs(image_rows, positions[:num_tokens], real_qsl, device)
     return StepBatch(
-        input_ids=dev["input_ids"][:num_tokens],
-        positions=dev["positions"][:num_tokens] if images is None else images.positions,
+        input_ids=first("input_ids", num_tokens),
+        positions=first("positions", num_tokens) if images is None else images.positions,
         common=common,
-        sample_indices=dev["sample_indices"][:num_reqs],
-        draft_token_ids=dev["draft_token_ids"][:num_reqs],
-        num_draft_tokens=dev["num_draft_tokens"][:num_reqs],
+        sample_indices=first("sample_indices", num_reqs),
+        draft_token_ids=first("draft_token_ids", num_reqs),
+        num_draft_tokens=first("num_draft_tokens", num_reqs),
         num_draft_tokens_cpu=num_drafts[:num_reqs], samples=samples,
-        discard_request=dev["discard_request"][:num_reqs],
-        backup_next_token_ids=dev["backup_next_token_ids"][:num_reqs],
-        draft_parents=dev["draft_parents"][:num_reqs] if is_tree else None,
+        discard_request=first("discard_request", num_reqs),
+        backup_next_token_ids=first("backup_next_token_ids", num_reqs),
+        draft_parents=first("draft_parents", num_reqs) if is_tree else None,
         target_splice=images and images.target_splice, head_splice=images and images.head_splice,
         padded=padded)
 
