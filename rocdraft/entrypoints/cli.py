@@ -14,8 +14,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from rocdraft.entrypoints.cli_options import (CliParser, add_model_args, make_llm, prepare_environment,
-                                  read_prompts_file, tree_description)
+from rocdraft.entrypoints.cli_options import (CliParser, add_model_args, make_engine_args,
+                                              prepare_environment, read_prompts_file,
+                                              tree_description)
 
 
 @dataclass(frozen=True)
@@ -164,13 +165,20 @@ def run_generate(args) -> int:
                              seed=None if args.seed is None else args.seed + i,
                              ignore_eos=args.ignore_eos) for i in range(len(prompts))]
     streaming = not args.json and _stdout_is_terminal()
+    from rocdraft.engine import LLM
+    from rocdraft.models.config import checkpoint_dir
+
+    engine_args, method = make_engine_args(args)
+    for path in (engine_args.target, engine_args.draft):  # a missing one: one error line,
+        if path is not None:                              # before any progress line
+            checkpoint_dir(path)
     if args.json:
-        llm, method = make_llm(args)
+        llm = LLM.from_engine_args(engine_args)
     else:
         from rocdraft.entrypoints.terminal import LoadingProgress
 
         with LoadingProgress(args.target or "the built-in pair"):
-            llm, method = make_llm(args)
+            llm = LLM.from_engine_args(engine_args)
     if args.image:
         from rocdraft.core.multimodal import with_images
 
