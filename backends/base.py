@@ -102,6 +102,10 @@ class BackendCapabilities:
     # multiple of head_size_multiple up to max_head_size. Checked after ``head_sizes``.
     head_size_multiple: int | None = None
     max_head_size: int | None = None
+    # Each forward gathers every request's K/V up to the metadata's max_seq_len into float32
+    # work buffers ([batch, max_seq_len, num_kv_heads, head_dim] per layer): a captured
+    # graph holds them at its host bound, so graph runners cap that bound by memory.
+    gathers_kv: bool = False
 
     def __post_init__(self) -> None:
         bad = [t for t, _ in self.kv_cache_formats if not _valid_target(t)]

@@ -136,4 +136,4 @@ class TorchSDPABackend(AttentionBackend):
         dtypes=(torch.float32, torch.float16, torch.bfloat16), head_sizes=None,  # any
         platforms=("cpu", "cuda", "rocm"),
         # torch casts to and from both fp8 formats on every device (no fp8 kernels involved).
-        kv_cache_dtypes=FP8_DTYPES)
+        kv_cache_dtypes=FP8_DTYPES, gathers_kv=True)

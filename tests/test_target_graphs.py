@@ -223,3 +223,14 @@ def test_decode_and_verify_steps_read_the_device_once(pair, kind):
     if kind != "target":
         assert engine.stats.acceptance_length > 1.5
 
+
+
+def test_captured_seq_len_caps_a_gathering_backend_by_memory():
+    from rocdraft.backends.registry import get_backend
+    from rocdraft.engine.target_graphs import captured_seq_len
+
+    sdpa, triton = get_backend("TORCH_SDPA"), get_backend("TRITON_ATTN")
+    assert captured_seq_len(sdpa, 131072, 64, 8, 128, 5) == 2048  # the docstring's example
+    assert captured_seq_len(triton, 131072, 64, 8, 128, 5) == 131072
+    assert captured_seq_len(sdpa, 96, 8, 2, 16, 4) == 96  # small enough: max_model_len
+    assert captured_seq_len(sdpa, 1 << 20, 1 << 16, 64, 256, 26) == 26  # at least a query

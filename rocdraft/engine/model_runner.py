@@ -32,8 +32,8 @@ from rocdraft.distributed.engine_setup import start_tensor_parallel, worker_spec
 from rocdraft.engine.args import EngineArgs
 from rocdraft.drafter.graphs import capture_buckets
 from rocdraft.engine.loading import load_target_model
-from rocdraft.engine.target_graphs import (TargetGraphRunner, input_bytes_bound,
-                                           target_graph_refusal)
+from rocdraft.engine.target_graphs import (TargetGraphRunner, captured_seq_len,
+                                           input_bytes_bound, target_graph_refusal)
 from rocdraft.errors import RocdraftError
 from rocdraft.models.compiled_regions import compiled_regions
 from rocdraft.models.rope import reserve_positions
@@ -130,10 +130,13 @@ class ModelRunner:
             log.info("target forward runs eagerly: %s", refusal)
         if refusal is not None and not replay:
             return None, refusal
-        runner = TargetGraphRunner(self.target, self.builder, self.kv_caches,
-                                   capture_buckets(args.max_num_seqs),
+        buckets = capture_buckets(args.max_num_seqs)
+        _, num_kv_heads, head_dim = self.target.kv_cache_spec()
+        runner = TargetGraphRunner(self.target, self.builder, self.kv_caches, buckets,
                                    max_query_len=num_lookahead_tokens + 1,
-                                   max_seq_len=self.max_model_len,
+                                   max_seq_len=captured_seq_len(
+                                       self.backend, self.max_model_len, buckets[-1],
+                                       num_kv_heads, head_dim, num_lookahead_tokens + 1),
                                    use_graphs=refusal is None)
         return runner, refusal
 

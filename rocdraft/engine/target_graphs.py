@@ -71,6 +71,25 @@ def input_bytes_bound(rows: int, max_query_len: int, max_blocks_per_seq: int) ->
     return 8 * int64s + 4 * int32s + rows + rows * max_query_len ** 2 + 13 * 16
 
 
+GATHER_BUDGET_BYTES = 1 << 30  # per layer, for a backend that gathers K/V (gathers_kv)
+
+
+def captured_seq_len(backend, max_model_len: int, largest_bucket: int, num_kv_heads: int,
+                     head_dim: int, max_query_len: int) -> int:
+    """The longest sequence a captured target forward attends over: ``max_model_len``, or
+    for a backend that gathers K/V per forward (``capabilities.gathers_kv``: TORCH_SDPA)
+    the longest whose float32 K and V of the largest bucket fit ``GATHER_BUDGET_BYTES``
+    (drafter/graphs.py ``sdpa_gather_bytes``); batches past it run eagerly.
+
+    Example: TORCH_SDPA, max_model_len 131072, bucket 64, 8 KV heads of 128 -> 2048
+    (2 * 4 * 64 * 2048 * 1024 bytes = 1 GiB); TRITON_ATTN -> 131072.
+    """
+    if not backend.capabilities.gathers_kv:
+        return max_model_len
+    per_position = 2 * 4 * largest_bucket * num_kv_heads * head_dim
+    return min(max_model_len, max(GATHER_BUDGET_BYTES // per_position, max_query_len))
+
+
 class TargetGraphRunner:
     def __init__(self, target, builder, kv_caches: list, buckets: tuple[int, ...],
                  max_query_len: int, max_seq_len: int, use_graphs: bool) -> None:
