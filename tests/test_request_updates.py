@@ -90,3 +90,13 @@ def test_a_finished_request_frees_its_blocks_and_keeps_no_drafts():
     assert short.is_finished and results.advanced == [(short, [9])]
     assert short.spec_token_ids == []  # no drafts for a finished request
     assert scheduler.allocator.num_free_blocks == CONFIG.num_blocks
+
+
+def test_read_together_splits_one_read_back_into_its_parts():
+    from rocdraft.engine.request_updates import read_together
+
+    sampled = torch.tensor([[4, -1], [7, 8]])
+    drafts = torch.tensor([[1, 2, 3], [5, 6, 9]], dtype=torch.int32)  # cast to int64 first
+    assert read_together([sampled, drafts]) == [[[4, -1], [7, 8]], [[1, 2, 3], [5, 6, 9]]]
+    assert read_together([sampled]) == [[[4, -1], [7, 8]]]
+    assert read_together([torch.tensor([[1, 2]]), torch.tensor([[3]])]) == [[[1, 2]], [[3]]]
