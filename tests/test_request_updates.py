@@ -3,6 +3,8 @@ request (rejected -1 entries dropped), the next drafts stored within max_model_l
 and scored trees' verifications returned for the policy, the statistics counted."""
 from __future__ import annotations
 
+import torch
+
 from rocdraft.config import SamplingParams, SchedulerConfig
 from rocdraft.core.request import Request
 from rocdraft.core.scheduler import Scheduler
