@@ -4,10 +4,12 @@ output unchanged."""
 from __future__ import annotations
 
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
 from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.spec_decode.cost_model import StepCosts
+from rocdraft.spec_decode.realized_times import RealizedStepTimes
 from rocdraft.spec_decode.draft_shape import (EXPLORE_EVERY, MAX_CYCLE, MIN_TIME_SAMPLES, PROBE_STEPS,
                                   TIME_SAMPLES, TOKEN_SAMPLES, DraftShapeChooser,
                                   chain_on_path, chain_on_tree_step, rank0_flags)
@@ -72,6 +74,27 @@ def test_probe_cycle_grows_with_the_square_of_the_speed_ratio_up_to_a_bound():
         shapes = [chooser.decide(2) for _ in range(2 * cycle)]
         probes = [i for i, s in enumerate(shapes) if s != shapes[0]]  # shapes[0]: the faster
         assert probes[::PROBE_STEPS] == [cycle - PROBE_STEPS, 2 * cycle - PROBE_STEPS], ratio
+
+
+def test_an_unmeasured_bucket_follows_its_neighbours_only_where_they_agree():
+    """A batch of 8 shrinks through buckets 4 and 2 as its requests finish: a few steps per
+    run each, which exploring spent on trees although buckets 1 and 8 chose the chain."""
+    chooser = DraftShapeChooser()
+    force(chooser, "chain", buckets=(1, 8))
+    assert chooser.bracketed(4) == chooser.bracketed(2) == "chain"
+    assert chooser.faster(4) is None  # nothing of its own yet
+    shapes = [chooser.decide(3) for _ in range(EXPLORE_EVERY)]
+    # the neighbours' shape, then a probe run of the other (EXPLORE_EVERY: no ratio known)
+    assert shapes == ["chain"] * (EXPLORE_EVERY - PROBE_STEPS) + ["tree"] * PROBE_STEPS
+    force(chooser, "tree", buckets=(8,))  # they disagree: explore as before
+    assert chooser.bracketed(2) is None
+    assert [chooser.decide(2) for _ in range(2 * PROBE_STEPS)] == \
+        ["tree"] * PROBE_STEPS + ["chain"] * PROBE_STEPS
+    lone = DraftShapeChooser()  # only one side measured: never extrapolated
+    force(lone, "chain", buckets=(1,))
+    assert lone.bracketed(8) is None and lone.decide(8) == "tree"
+    force(lone, "chain", buckets=(2,))
+    assert lone.bracketed(8) is None
 
 
 def test_tokens_are_compared_on_the_same_steps_and_times_take_the_median():
@@ -156,6 +179,37 @@ def test_bad_samples_are_not_counted_and_bad_arguments_refused():
     chooser.record(2, "tree", 1.0, 2, 3.5)  # the chain's expected tokens may exceed the tree's
 
 
+def pin_clock(monkeypatch, llm, per_draft: float, sweep: bool) -> None:
+    """A deterministic engine clock for ``llm``: each reading advances 1 ms, and drafting
+    ``per_draft`` seconds per draft (a chain) or level (a tree) past the first; the chains'
+    realized times start
+    afresh (with or without the sweep), their prior start-up costs say drafting is free, so
+    the counts they pick never depend on machine load."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1e-3
+        return now[0]
+
+    proposer = llm.draft_runner.proposer
+    propose, propose_tree = proposer.propose, proposer.propose_tree
+
+    def charged_propose(*args, num_drafts=None, **kwargs):
+        now[0] += per_draft * ((num_drafts or proposer.num_speculative_tokens) - 1)
+        return propose(*args, num_drafts=num_drafts, **kwargs)
+
+    def charged_propose_tree(*args, **kwargs):  # a level per depth past the first
+        now[0] += per_draft * (llm.tree.depth - 1)
+        return propose_tree(*args, **kwargs)
+
+    monkeypatch.setattr(llm.model_runner, "work_clock", clock)  # the policy's step times
+    monkeypatch.setattr(proposer, "propose", charged_propose)
+    monkeypatch.setattr(proposer, "propose_tree", charged_propose_tree)
+    llm.policy.chain_times = RealizedStepTimes(llm.policy.chain_times.max_drafts, sweep=sweep,
+                                               min_drafts=1)
+    llm.policy.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 1.0, 0.0, 0.0))
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("shape")
@@ -168,7 +222,7 @@ def pair(tmp_path_factory):
                                   dict(tree_depth=4, tree_top_k=2, tree_total_tokens=8,
                                        max_draft_tokens_per_step=32)],
                          ids=["static", "dynamic"])
-def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
+def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree, monkeypatch):
     target, head = pair
     reference = [o.token_ids for o in LLM(target).generate(PROMPTS, GREEDY)]
     llm = LLM(target, head, SpeculativeConfig("eagle3", 3, **tree))
@@ -184,10 +238,11 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
     assert any(tree > chain for tree, chain in tokens)
     assert set(llm.policy.chain_step_costs) == {1, 2, 4}  # the chain's costs, measured per bucket
     nodes = {}
+    # From here the engine's clock is pinned: every step takes the same time, whatever it
+    # drafts (drafting free), so the chains' realized times pick min(k, depth) = 3.
+    pin_clock(monkeypatch, llm, per_draft=0.0, sweep=False)
     for faster in ("chain", "tree"):  # one shape far faster
         force(llm.policy.shape_chooser, faster)
-        # Drafting free: the chain's cost policy drafts min(k, depth) = 3.
-        llm.policy.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 0.0, 0.0, 0.0))
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
         stats = llm.last_stats
         assert stats.acceptance_length > 1.5
@@ -198,11 +253,70 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree):
         if faster == "chain":  # a chain, not a flat tree: drafts past depth 1 are accepted
             assert sum(stats.accepted_at_position[1:]) > 0, stats.accepted_at_position
     assert nodes["chain"] == 3 and nodes["tree"] > 4, nodes  # trees of up to 7 nodes
-    force(llm.policy.shape_chooser, "chain")
-    llm.policy.chain_step_costs = dict.fromkeys((1, 2, 4), StepCosts(1.0, 0.0, 0.0, 0.0, 1.0))
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-    stats = llm.last_stats  # drafting dear: chains of 1 (the policy's exploration
-    assert 1 <= stats.num_verified_nodes / stats.num_verify_steps < 1.5  # lengthens a few)
+    # Every draft past the first costs 1 s although the start-up costs say drafting is free:
+    # after the sweep (3, 3, 2, 2, 1, 1 per bucket) the realized times pick chains of 1
+    # (the start-up costs alone drafted 3 on every step).
+    pin_clock(monkeypatch, llm, per_draft=1.0, sweep=True)
+    for _ in range(4):  # the first runs sweep each bucket (bucket 1 sees 1-2 steps a run)
+        force(llm.policy.shape_chooser, "chain")
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    stats = llm.last_stats
+    assert stats.num_verified_nodes / stats.num_verify_steps < 1.1  # chains of 1
+    assert stats.acceptance_length > 1.3
+    assert llm.policy._chain_policy_drafts(4) == llm.policy._chain_policy_drafts(1) == 1
+
+
+def ops_per_step(monkeypatch, llm) -> tuple[list, list[int], list[int]]:
+    """Greedy outputs of PROMPTS, and per engine step the aten ops it ran and the replays of
+    the captured draft loop (its static-buffer runner) it made, after a first run (one-time
+    work: the RoPE tables)."""
+    llm.generate(PROMPTS, GREEDY)
+    counts, replays = [], []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[-1] += 1
+            return func(*args, **(kwargs or {}))
+
+    runner = llm.draft_runner.proposer.graph_runner
+    run, step = runner.run, llm._step
+
+    def counted_run(*args, **kwargs):
+        replays[-1] += 1
+        return run(*args, **kwargs)
+
+    def counted_step(*args, **kwargs):
+        counts.append(0)
+        replays.append(0)
+        with Count():
+            return step(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", counted_run)
+    monkeypatch.setattr(llm, "_step", counted_step)
+    outputs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    return outputs, counts, replays
+
+
+def test_a_chain_step_in_tree_mode_does_the_chain_configs_work(pair, monkeypatch):
+    """A tree config whose chooser drafts chains of k runs, step by step, the chain config's
+    aten ops and replays its captured k-draft loop (graph_mode "replay-eagerly": the GPU's
+    path through the graphs' static buffers, replayed eagerly on the CPU): no tree scoring,
+    no tree-path reads, no eager draft loop. Shape and length pinned (no machine timing)."""
+    target, head = pair
+    reference = [o.token_ids for o in LLM(target).generate(PROMPTS, GREEDY)]
+    chain = LLM(target, head, SpeculativeConfig("eagle3", 3, draft_policy="fixed"),
+                graph_mode="replay-eagerly")
+    tree = LLM(target, head, SpeculativeConfig("eagle3", 3, speculative_token_tree=STATIC),
+               graph_mode="replay-eagerly")
+    monkeypatch.setattr(tree.policy, "shape", lambda batch_size: "chain")
+    monkeypatch.setattr(tree.policy, "chain_drafts_in_tree_mode", lambda batch_size: 3)
+    chain_out, chain_ops, chain_replays = ops_per_step(monkeypatch, chain)
+    tree_out, tree_ops, tree_replays = ops_per_step(monkeypatch, tree)
+    assert chain_out == tree_out == reference
+    assert tree.last_stats.acceptance_length > 1.5 and tree.last_stats.num_tree_verify_steps == 0
+    assert len(tree_ops) == len(chain_ops) and tree_replays == chain_replays
+    assert sum(tree_replays) >= len(tree_ops) - 1  # every step with a decode drafted 3 there
+    assert all(abs(t - c) <= 4 for t, c in zip(tree_ops, chain_ops)), (tree_ops, chain_ops)
 
 
 def test_seeded_sampling_mixing_trees_and_chains_equals_seeded_target_only(pair):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rocdraft.config import SpeculativeConfig
-from rocdraft.spec_decode.cost_model import EXPLORE_EVERY, StepCosts
+from rocdraft.spec_decode.cost_model import StepCosts
 from rocdraft.spec_decode.draft_shape import MIN_TIME_SAMPLES
 from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
 
@@ -136,9 +136,75 @@ def test_a_tree_step_sample_needs_a_verified_tree_and_a_repeated_shape():
     assert not p.shape_chooser.buckets and p.drafted_shape == "chain"
 
 
-def test_exploration_counts_policy_steps_shared_by_chain_and_tree_choices():
+def test_a_tree_configs_chains_start_at_the_cap_and_count_no_policy_step():
     p = policy(speculative_token_tree=STATIC)
-    for _ in range(EXPLORE_EVERY - 1):
-        p.chain_drafts_in_tree_mode(1)
-    assert p.policy_steps == EXPLORE_EVERY - 1
-    assert p.chain_drafts_in_tree_mode(1) == 3  # no costs: the chain cap min(k, depth)
+    assert [p.chain_drafts_in_tree_mode(1) for _ in range(3)] == [3] * 3  # min(k, depth)
+    assert p.policy_steps == 0  # the tree budget's exploration counts tree steps only
+
+
+def run_steps(p, steps: int, verify_seconds, tree_config: bool) -> list[int]:
+    """``steps`` pure decode steps at batch 1 where every draft is accepted, verifying v
+    drafts takes ``verify_seconds(v)`` and drafting 1 ms -> the drafts of each step."""
+    made, verified = [], 0
+    for _ in range(steps):
+        d = p.chain_drafts_in_tree_mode(1) if tree_config else p.num_drafts(1)
+        made.append(d)
+        draft = 1e-3 if d else 0.0
+        p.observe(record(shape="chain" if tree_config else None,
+                         seconds=verify_seconds(verified) + draft, draft_seconds=draft,
+                         produced=verified + 1,
+                         any_verified=verified > 0, num_drafts=d,
+                         chain_verified=[verified] if verified else [],
+                         chain_accepted=[verified] if verified else []))
+        verified = d
+    return made
+
+
+def test_a_tree_configs_chains_are_decided_as_the_chain_configs_on_realized_times():
+    """Start-up costs that make drafting look dear (what the built-in pair's replayed draft
+    loop measured at batch 8): the chain config's realized times overrule them after its
+    sweep, and so must a tree config's chains (they drafted 1 on every step before)."""
+    dear = StepCosts(1e-3, 0.0, 0.0, 0.0, 1.0)  # each draft step 1 s
+    tree, chain = policy(speculative_token_tree=STATIC), policy(num_speculative_tokens=3)
+    tree.add_costs(True, 1, dear)
+    chain.add_costs(True, 1, dear)
+    flat = lambda v: 0.01  # noqa: E731  every count realizes the same step time
+    made_tree = run_steps(tree, 20, flat, tree_config=True)
+    made_chain = run_steps(chain, 20, flat, tree_config=False)
+    assert made_chain[:8] == [3, 3, 2, 2, 1, 1, 0, 0] and set(made_chain[8:]) == {3}
+    assert made_tree[:6] == [3, 3, 2, 2, 1, 1] and set(made_tree[6:]) == {3}  # never 0
+    assert tree._chain_policy_drafts(1) == 3
+    # Verification dearer with every draft: the chain config decodes plainly, the tree
+    # config's chains draft 1 (never 0).
+    steep = lambda v: 0.01 + 0.05 * v  # noqa: E731
+    tree, chain = policy(speculative_token_tree=STATIC), policy(num_speculative_tokens=3)
+    for p in (tree, chain):
+        p.add_costs(True, 1, StepCosts(1e-3, 0.0, 0.0, 0.0, 0.0))  # drafting looks free
+    assert set(run_steps(tree, 20, steep, tree_config=True)[6:]) == {1}
+    assert set(run_steps(chain, 20, steep, tree_config=False)[8:]) == {0}
+
+
+def test_tree_steps_give_the_chains_realized_times_no_sample():
+    p = policy(speculative_token_tree=STATIC)
+    p.add_costs(True, 1, StepCosts(1e-3, 0.0, 0.0, 0.0, 0.0))
+    # Drafted a tree, verified a tree: neither part is a chain's.
+    p.observe(record(shape="tree", verified_tree=True, tree_parents=[[-1, -1, 0]],
+                     tree_paths=[[0, 2]], draft_seconds=0.5))
+    assert not p.chain_times.buckets.get(1, None) or \
+        not (p.chain_times.buckets[1].verify or p.chain_times.buckets[1].draft)
+    # Verified a tree, drafted a chain: the draft part includes the tree's reordering.
+    p.chain_drafts_in_tree_mode(1)
+    p.observe(record(shape="chain", verified_tree=True, tree_parents=[[-1, -1, 0]],
+                     tree_paths=[[0, 2]], draft_seconds=0.5))
+    bucket = p.chain_times.buckets[1]
+    assert not bucket.verify and not bucket.draft
+    # Verified chains of 3, drafted a tree: a verify sample only.
+    p.observe(record(shape="tree", chain_verified=[3], chain_accepted=[2], seconds=0.01,
+                     draft_seconds=0.004))
+    assert {v: list(s) for v, s in bucket.verify.items()} == {3: [pytest.approx(0.006)]}
+    assert not bucket.draft
+    # Verified chains, drafted a chain of the count decided: both parts.
+    d = p.chain_drafts_in_tree_mode(1)
+    p.observe(record(shape="chain", chain_verified=[3], chain_accepted=[3], seconds=0.01,
+                     draft_seconds=0.004))
+    assert {c: list(s) for c, s in bucket.draft.items()} == {d: [0.004]}

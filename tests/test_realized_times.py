@@ -65,6 +65,18 @@ def test_probes_are_under_2_percent_and_cycle_the_other_counts():
     assert probes[:8] == [3, 3, 3, 2, 3, 1, 3, 0]
 
 
+def test_min_drafts_bounds_the_sweep_the_choice_and_the_probes():
+    """A tree config's chains (min_drafts 1): the drafter always runs, so 0 is never drafted
+    even where plain decoding would be fastest."""
+    times = RealizedStepTimes(K, min_drafts=1)
+    plain_fastest = [0.1, 1.0, 2.0, 3.0, 4.0]
+    choices = [times.decide(1, plain_fastest, [0.5] * K) for _ in range(64 * 4)]
+    assert choices[:8] == [4, 4, 3, 3, 2, 2, 1, 1]  # the sweep stops at 1
+    assert min(choices) == 1 and Counter(choices[8:]).most_common(1)[0][0] == 1
+    assert best_num_drafts(plain_fastest, [0.5] * K) == 0
+    assert best_num_drafts(plain_fastest, [0.5] * K, min_drafts=1) == 1
+
+
 # --- the simulated engine -------------------------------------------------------------------
 
 class Machine:

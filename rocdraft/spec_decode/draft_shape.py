@@ -11,14 +11,24 @@ cuts trees from a cost model fitted on dummy inputs, which misjudged full trees 
 this chooser decides from the engine's own clock instead, so a tree config is never slower
 than the chain by more than its probes.
 
-The chain is drafted by the chain drafter (``EagleProposer.propose``: at most
-min(num_speculative_tokens, tree depth) drafts, as many as the chain's own cost policy picks)
-and verified next step exactly as in chain mode (causal verification, the rejection
-sampler, no KV compaction), so a chain step in tree mode
-costs what a chain config's step costs; both samplers are lossless, so the output
-distribution is the target's either way. A request whose chain sits in a batch beside
-another's tree (a step that did not schedule it) is verified as a one-child-per-level tree
-(``build_step_batch``).
+The chain is drafted by the chain drafter (``EagleProposer.propose``: 1 to
+min(num_speculative_tokens, tree depth) drafts) and verified next step exactly as in chain
+mode (causal verification, the rejection sampler, no KV compaction), so a chain step in tree
+mode costs what a chain config's step costs (the same aten ops per step at the same count);
+both samplers are lossless, so the output distribution is the target's either way. Its
+length is decided as a chain config's cost policy decides (rocdraft/spec_decode/
+realized_times.py: a sweep, then the best count on the realized times of this config's own
+chain steps, the start-up costs only their prior; at least 1 draft, since the drafter of a
+tree config always runs). Before, the start-up costs alone decided it, fitted on dummy
+inputs (the fit misjudged both ways, which is why chain configs moved to realized times):
+on the built-in pair at batch 8 with the draft loop replayed through its graph buffers
+(graph_mode "replay-eagerly", the GPU's path, on a CPU core) the static tree config drafted
+chains of 1 on 32-33 of its 34-35 chain steps in each of three runs, acceptance length
+1.85-1.88 against the chain config's 2.31-2.81; where a step costs about the same at any
+count (a GPU's captured loop) that is 0.67-0.81x the chain's speed, as on the H200 (1.07x
+against 1.59x, 97% chain steps; not re-measured on a GPU since). A request
+whose chain sits in a batch beside another's tree (a step that did not schedule it) is
+verified as a one-child-per-level tree (``build_step_batch``).
 
 Estimate, per batch bucket (``batch_bucket``). Samples are whole steps without prompt
 tokens that verified drafts of one shape and drafted that shape again (a step that switches
@@ -50,9 +60,14 @@ engine captures the tree levels and, for a tree at least k deep, the chain's k-d
 (shorter chains run eagerly), so each shape is measured at the speed it drafts at.
 
 Decision (``decide``), per step of a bucket numbered i = 0, 1, ...:
-- until both shapes have MIN_TIME_SAMPLES step times and the tree has tokens: the shape of
+- until both shapes have MIN_TIME_SAMPLES step times and the tree has tokens: the shape the
+  nearest measured buckets below and above both found faster (``bracketed``; probes of the
+  other every EXPLORE_EVERY steps, which measure this bucket), else the shape of
   i // PROBE_STEPS (even: tree, odd: chain), i.e. runs of PROBE_STEPS steps, which hold
-  PROBE_STEPS - 1 pure samples each (one run per shape);
+  PROBE_STEPS - 1 pure samples each (one run per shape). A batch of 8 shrinks through
+  buckets 4, 2 and 1 as its requests finish: each of those tails is a few steps, so
+  exploring there drafted trees on most tail steps (3 of the last 6 steps of a batch-8 run of
+  the built-in pair, each 2x a chain step) although buckets 1 and 8 had chosen the chain;
 - then the faster shape, except runs of PROBE_STEPS steps of the other one that keep its
   figures current, the last PROBE_STEPS steps of every cycle, which starts at the first
   choice; a cycle is EXPLORE_EVERY x (faster rate / slower rate)^2 steps (at most
@@ -193,10 +208,20 @@ class _Bucket:
                 "chain": mean(c for _, c in self.tokens) / _step_time(self.times["chain"])}
 
     def cycle(self) -> int:
-        """Steps from one probe run's start to the next (the module docstring's rule)."""
+        """Steps from one probe run's start to the next (the module docstring's rule);
+        EXPLORE_EVERY while this bucket has no rates of its own (it follows its neighbours)."""
         rates = self.rates
+        if not rates:
+            return EXPLORE_EVERY
         ratio = max(rates.values()) / min(rates.values())
         return min(round(EXPLORE_EVERY * ratio ** 2), MAX_CYCLE)
+
+
+def _faster(rates: dict) -> str | None:
+    """The faster shape of a bucket's ``rates``, None while they are empty."""
+    if not rates:
+        return None
+    return "chain" if rates["chain"] > rates["tree"] else "tree"
 
 
 def _step_time(times) -> float:
@@ -215,17 +240,27 @@ class DraftShapeChooser:
 
     def faster(self, batch_size: int) -> str | None:
         """The shape measured faster in this batch's bucket, None before both were measured."""
-        rates = self._bucket(batch_size).rates
-        if not rates:
+        return _faster(self._bucket(batch_size).rates)
+
+    def bracketed(self, batch_size: int) -> str | None:
+        """The shape that the nearest measured buckets below and above this batch's both
+        measured faster, or None (one side unmeasured, or they disagree). Interpolated only,
+        never extrapolated: a tree that wins at batch 1 may lose at batch 8."""
+        bucket = batch_bucket(batch_size)
+        measured = {b: _faster(found.rates) for b, found in self.buckets.items()}
+        below = [b for b, shape in measured.items() if shape and b < bucket]
+        above = [b for b, shape in measured.items() if shape and b > bucket]
+        if not below or not above:
             return None
-        return "chain" if rates["chain"] > rates["tree"] else "tree"
+        shape = measured[max(below)]
+        return shape if shape == measured[min(above)] else None
 
     def decide(self, batch_size: int) -> str:
         """The shape to draft now for a batch of ``batch_size`` (the module docstring's rule)."""
         bucket = self._bucket(batch_size)
         i = bucket.steps
         bucket.steps += 1
-        best = self.faster(batch_size)
+        best = self.faster(batch_size) or self.bracketed(batch_size)
         if best is None:
             return SHAPES[(i // PROBE_STEPS) % 2]
         if bucket.next_probe is None:  # the first choice: a cycle starts

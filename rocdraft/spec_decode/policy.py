@@ -9,7 +9,8 @@ The engine asks, before it drafts:
   with given ``draft_costs`` on those costs alone); a tree config answers its node count
   (the tree's own shape decides);
 - ``shape(batch_size)``: "tree" or "chain" for a tree config (rocdraft/spec_decode/
-  draft_shape.py), and ``chain_drafts_in_tree_mode(batch_size)`` when it is "chain";
+  draft_shape.py), and ``chain_drafts_in_tree_mode(batch_size)`` when it is "chain" (decided
+  as a chain config decides, on the realized times of the tree config's own chain steps);
 - ``tree_budget(batch_size)``: the batch node budget of the trees drafted now (the
   configured one, or the cost-based one of rocdraft/spec_decode/tree_budget.py);
 - ``costs_to_measure(largest_bucket)``: which step-cost tables it still lacks (the engine
@@ -21,7 +22,8 @@ step's time and tokens. The policy never calls a runner; it holds numbers, not m
 
 State: acceptance (AcceptanceTracker, per chain position), step costs per batch bucket for
 the chain config or the dynamic tree (``step_costs``) and for a tree config's chains
-(``chain_step_costs``), the realized step times of a chain config, the tree acceptance
+(``chain_step_costs``), the realized step times of a chain config and of a tree config's
+chains (``chain_times``), the tree acceptance
 estimate, the shape chooser and the shape drafted last step. Which of them exist follows
 from the config alone (the constructor's comments say when).
 """
@@ -32,9 +34,9 @@ from dataclasses import dataclass, field
 from rocdraft.config import SpeculativeConfig
 from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
 from rocdraft.spec_decode.cost_model import (EXPLORE_EVERY, AcceptanceTracker, StepCosts,
-                                             batch_bucket, choose_num_drafts)
+                                             batch_bucket)
 from rocdraft.spec_decode.draft_shape import DraftShapeChooser, chain_on_tree_step
-from rocdraft.spec_decode.realized_times import RealizedStepTimes, prior_times
+from rocdraft.spec_decode.realized_times import RealizedStepTimes, best_num_drafts, prior_times
 from rocdraft.spec_decode.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
 
 
@@ -93,7 +95,12 @@ class DraftPolicy:
         # at most min(k, depth) drafts, whichever measured faster.
         self.shape_chooser = DraftShapeChooser() \
             if tree is not None and cost_policy and spec.draft_costs is None else None
+        # Its chains: the chain config's rule (realized step times of those chains, at least
+        # one draft: the drafter always runs), so a chain step costs a chain config's step.
+        self.chain_times = RealizedStepTimes(self._chain_cap(), min_drafts=1) \
+            if self.shape_chooser is not None else None
         self.drafted_shape: str | None = None  # what the last step drafted
+        self.chain_drafts = 0  # drafts per request of the chain drafted last in tree mode
 
     # --- what the engine asks before drafting ----------------------------------------------
 
@@ -133,12 +140,19 @@ class DraftPolicy:
         return self.shape_chooser.decide(batch_size)
 
     def chain_drafts_in_tree_mode(self, batch_size: int) -> int:
-        """Drafts of the chain a tree config drafts now, exploring every EXPLORE_EVERY-th
-        policy step (the step counter is shared with the tree budget: a tree config runs one
-        of the two per step)."""
-        self.policy_steps += 1
-        return self._chain_policy_drafts(batch_size,
-                                         explore=self.policy_steps % EXPLORE_EVERY == 0)
+        """Drafts of the chain a tree config drafts now: 1 .. min(k, depth), decided as a
+        chain config's cost policy decides (the sweep, then the best count on the realized
+        times of this config's chain steps, a probe every PROBE_EVERY-th), so a chain step
+        here costs and yields what the chain config's step does. The cap until costs are
+        measured."""
+        costs = self._costs_for(batch_size, self.chain_step_costs)
+        if costs is None:
+            self.chain_drafts = self._chain_cap()
+        else:
+            times = self.chain_times.step_times(batch_size, costs, self._chain_cap())
+            self.chain_drafts = self.chain_times.decide(batch_size, times,
+                                                        self.acceptance.rates)
+        return self.chain_drafts
 
     def tree_budget(self, batch_size: int) -> int | None:
         """The batch node budget of the trees drafted now: the configured one, or under the
@@ -204,15 +218,15 @@ class DraftPolicy:
         """The longest chain a tree config drafts: min(k, tree depth)."""
         return min(self.spec.num_speculative_tokens, self.tree.depth)
 
-    def _chain_policy_drafts(self, batch_size: int, explore: bool = False) -> int:
-        """Drafts of a chain a tree config would draft for this batch: at most
-        ``_chain_cap``, under the cost policy the count maximising expected tokens per
-        second from the chain's measured costs and acceptance (at least 1)."""
+    def _chain_policy_drafts(self, batch_size: int) -> int:
+        """Drafts of the chain a tree config would draft for this batch now (no probe, no
+        step counted): the best count on its chains' realized times, the cap before costs
+        are measured."""
         costs = self._costs_for(batch_size, self.chain_step_costs)
         if costs is None:
             return self._chain_cap()
-        return max(1, choose_num_drafts(costs, self.acceptance.rates, batch_size,
-                                        self._chain_cap(), explore=explore))
+        times = self.chain_times.step_times(batch_size, costs, self._chain_cap())
+        return best_num_drafts(times, self.acceptance.rates, min_drafts=1)
 
     # --- what the engine tells after a step ------------------------------------------------
 
@@ -239,6 +253,12 @@ class DraftPolicy:
             self.realized_times.record(step.batch_size, verified_per_request(step),
                                        step.num_drafts, step.seconds - step.draft_seconds,
                                        step.draft_seconds)
+        if self.chain_times is not None and not step.has_prefill and not step.verified_tree:
+            # A step that verified only chains (a verify sample) and, when it drafted a
+            # chain, a draft sample of the count drafted (a tree's drafting is none).
+            self.chain_times.record(step.batch_size, verified_per_request(step),
+                                    self.chain_drafts, step.seconds - step.draft_seconds,
+                                    step.draft_seconds if step.shape == "chain" else 0.0)
         if self.shape_chooser is not None:
             # A pure step of one shape (a tree step's sample needs a verified tree: a batch
             # of only the chains another step drafted verifies none).

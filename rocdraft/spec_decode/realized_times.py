@@ -51,18 +51,18 @@ RECENT = 8  # samples kept per entry
 PROBE_EVERY = 64  # policy steps per probe of another draft count (1.6% of steps)
 
 
-def best_num_drafts(step_times: list[float], rates: list[float]) -> int:
-    """argmax over d of E(d) / T(d) (``expected_tokens``), the smaller d on ties (within 1e-9
-    relative). step_times: T(0), ..., T(k) in seconds (all > 0); rates: conditional
-    acceptance per position, at least k of them.
+def best_num_drafts(step_times: list[float], rates: list[float], min_drafts: int = 0) -> int:
+    """argmax over d >= ``min_drafts`` of E(d) / T(d) (``expected_tokens``), the smaller d on
+    ties (within 1e-9 relative). step_times: T(0), ..., T(k) in seconds (all > 0); rates:
+    conditional acceptance per position, at least k of them.
 
     >>> best_num_drafts([10.0, 12.0, 14.0], [0.8, 0.8])  # E/T = 0.1, 0.15, 0.174
     2
     >>> best_num_drafts([10.0, 12.0, 14.0], [0.1, 0.1])  # E/T = 0.1, 0.092, 0.079
     0
     """
-    best, best_rate = 0, 0.0
-    for d, seconds in enumerate(step_times):
+    best, best_rate = min_drafts, 0.0
+    for d, seconds in enumerate(step_times[min_drafts:], start=min_drafts):
         rate = expected_tokens(rates, d) / seconds
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = d, rate
@@ -118,10 +118,11 @@ class RealizedStepTimes:
     """Per batch bucket: realized verify and draft seconds per draft count, and the decision
     (the module docstring's rule)."""
 
-    def __init__(self, max_drafts: int, sweep: bool = True) -> None:
+    def __init__(self, max_drafts: int, sweep: bool = True, min_drafts: int = 0) -> None:
         """``sweep``: start each bucket with the sweep (not for given step times: nothing
-        to measure)."""
-        self.max_drafts, self.sweep = max_drafts, sweep
+        to measure); ``min_drafts``: the fewest drafts a decision may make (1 for the chains
+        of a tree config, whose drafter always runs: rocdraft/spec_decode/draft_shape.py)."""
+        self.max_drafts, self.sweep, self.min_drafts = max_drafts, sweep, min_drafts
         self.buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, batch_size: int) -> _Bucket:
@@ -150,25 +151,27 @@ class RealizedStepTimes:
         bucket = self._bucket(batch_size)
         i = bucket.steps
         bucket.steps += 1
-        if self.sweep and i < 2 * len(step_times):  # the sweep: k, k, k - 1, ..., 0, 0
+        counts = len(step_times) - self.min_drafts
+        if self.sweep and i < 2 * counts:  # the sweep: k, k, k - 1, ..., min, min
             return len(step_times) - 1 - i // 2
-        best = best_num_drafts(step_times, rates)
-        if i % PROBE_EVERY != PROBE_EVERY - 1 or len(step_times) < 2:
+        best = best_num_drafts(step_times, rates, self.min_drafts)
+        if i % PROBE_EVERY != PROBE_EVERY - 1 or counts < 2:
             return best
         bucket.probes += 1
-        return probe_count(step_times, rates, best, bucket.probes - 1)
+        return probe_count(step_times, rates, best, bucket.probes - 1, self.min_drafts)
 
 
-def probe_count(step_times: list[float], rates: list[float], best: int, probe: int) -> int:
+def probe_count(step_times: list[float], rates: list[float], best: int, probe: int,
+                min_drafts: int = 0) -> int:
     """The count the ``probe``-th probe drafts: every even probe the runner-up (the count
     whose estimate decides whether the best stays best), every odd one the next of k,
-    k - 1, ..., 0 without the best (every count, and the acceptance of every position, is
-    re-measured now and then).
+    k - 1, ..., ``min_drafts`` without the best (every count, and the acceptance of every
+    position, is re-measured now and then).
 
     >>> [probe_count([10.0, 12.0, 14.0], [0.8, 0.8], 2, p) for p in range(4)]  # E/T 0.1 0.15
     [1, 1, 1, 0]
     """
-    others = [d for d in range(len(step_times) - 1, -1, -1) if d != best]
+    others = [d for d in range(len(step_times) - 1, min_drafts - 1, -1) if d != best]
     if probe % 2 == 0:
         return max(others, key=lambda d: expected_tokens(rates, d) / step_times[d])
     return others[(probe // 2) % len(others)]
