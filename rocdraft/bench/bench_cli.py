@@ -320,8 +320,13 @@ def _run_bench(args) -> int:
         batches = batches_of(prompts, batch_size)
         names = names_for(batch_size)
         _progress(done, total, f"bs {batch_size} warm-up")
-        for name in names:  # first-use costs (JIT, allocator) are not timed
-            systems[name](batches[:1], 8)
+        # First-use costs (JIT, allocator) are not timed. On a GPU the warm-up is the whole
+        # workload once: the target forward's graphs are captured on first use of each
+        # (bucket, query length) (rocdraft/engine/target_graphs.py), and a batch shrinking as
+        # its requests finish passes through buckets a short warm-up would not reach.
+        warm_up = (batches, None) if base_llm.device != "cpu" else (batches[:1], 8)
+        for name in names:
+            systems[name](*warm_up)
         tps = {name: [] for name in names}
         outputs = {}
         stats_sum = dict.fromkeys(spec_names)
