@@ -127,17 +127,18 @@ def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """(write_slots, write_rows) for slot_mapping [num_tokens]: the sync-free redirect of
     ``write_kv_reference``. Padding rows (slot < 0) rewrite the first valid row's slot with
     that row's data; with no valid row they rewrite slot 0 with row ``num_tokens`` of
-    ``cat(rows, cache slot 0)``, i.e. its current contents.
+    ``cat(rows, cache slot 0)``, i.e. its current contents. A stacked [num_steps, num_tokens]
+    (a draft loop's steps) plans every row on its own in the same ops.
 
     Example: slots [-1, 7, 9, -1] -> write_slots [7, 7, 9, 7], write_rows [1, 1, 2, 1];
     slots [-1, -1] -> write_slots [0, 0], write_rows [2, 2].
     """
-    num_tokens = slot_mapping.shape[0]
+    num_tokens = slot_mapping.shape[-1]
     slots = slot_mapping.long()
     valid = slots >= 0
-    anchor = valid.int().argmax().view(1)  # first valid row (0 when none is)
-    any_valid = valid.index_select(0, anchor)
-    anchor_slot = torch.where(any_valid, slots.index_select(0, anchor), 0)
+    anchor = valid.int().argmax(-1, keepdim=True)  # [..., 1] first valid row (0 when none is)
+    any_valid = valid.gather(-1, anchor)
+    anchor_slot = torch.where(any_valid, slots.gather(-1, anchor), 0)
     anchor_row = torch.where(any_valid, anchor, num_tokens)
     rows = torch.arange(num_tokens, device=slots.device)
     return torch.where(valid, slots, anchor_slot), torch.where(valid, rows, anchor_row)
@@ -273,7 +274,8 @@ class CpuAttnBuilder(MetadataBuilder):
         return self.build_for_draft_steps([common])[0]
 
     def build_for_draft_steps(self, commons: list[CommonAttentionMetadata],
-                              block_size: int | None = None, no_padding_slots: bool = False
+                              block_size: int | None = None, no_padding_slots: bool = False,
+                              stacked: tuple[torch.Tensor, torch.Tensor] | None = None
                               ) -> list[CpuAttnMetadata]:
         """Every step of one draft loop at once: equal to ``[build_for_drafting(c, i + 1) for
         i, c in enumerate(commons)]``, in one vectorised computation when the steps share
@@ -281,7 +283,10 @@ class CpuAttnBuilder(MetadataBuilder):
         loop). block_size: also plan ``block_plan(block_size)`` here (the drafter knows its
         cache's block size), so no layer pads the mask. no_padding_slots: the caller knows on
         the host that no step's slot is padding: no write redirect (``_write_targets``).
-        Sync-free: reads no tensor."""
+        stacked: the steps' (seq_lens, slot_mapping), each [num_steps, B], when the caller
+        has them so (the draft schedule: each common's tensors are their rows), else stacked
+        here. Sync-free: reads no tensor. About 12 ops per loop plus one per step (14 more
+        per loop with the redirect), whatever the batch size and the number of steps."""
         first = commons[0]
         if not all(_is_draft_step(c) and c.block_table is first.block_table
                    and c.max_seq_len == first.max_seq_len for c in commons):
@@ -295,24 +300,38 @@ class CpuAttnBuilder(MetadataBuilder):
         if block_size is not None:
             num_blocks = min(-(-num_keys // block_size), block_ids.shape[1])
             plan_width = num_blocks * block_size
-            plan_blocks = block_ids[:, :num_blocks].reshape(-1)
+            plan_blocks = (block_ids if num_blocks == block_ids.shape[1]
+                           else block_ids[:, :num_blocks]).reshape(-1)
         width = max(num_keys, plan_width)
-        # Keys past num_keys are masked (the block plan's tail): clamp the lengths to it.
-        seq_lens = torch.stack([c.seq_lens for c in commons]).clamp(max=num_keys)  # [S, B]
-        key_pos = torch.arange(width, device=first.seq_lens.device)
-        visible = (key_pos < seq_lens.unsqueeze(-1)) | (key_pos == 0)  # [S, B, width]
+        step_seq_lens = torch.stack([c.seq_lens for c in commons]) if stacked is None \
+            else stacked[0]  # [S, B]
+        # Each query sees keys 0..seq_len-1 and always key 0 (the draft-loop runner's padding
+        # rows have seq_len 1), none past num_keys (the block plan's tail): one comparison
+        # against the lengths clamped to [1, num_keys].
+        lens = step_seq_lens.clamp(1, num_keys).unsqueeze(-1)  # [S, B, 1]
+        visible = torch.arange(width, device=first.seq_lens.device) < lens  # [S, B, width]
         masks = torch.where(visible, 0.0, float("-inf")).view(num_steps, batch_size, 1, 1,
-                                                                width)
+                                                                width).unbind(0)
+        if no_padding_slots:
+            writes = [(c.slot_mapping.long(), None) for c in commons]
+        else:  # every step's redirect at once: [(write_slots [B], write_rows [B])]
+            step_slots = torch.stack([c.slot_mapping for c in commons]) if stacked is None \
+                else stacked[1]  # [S, B]
+            writes = list(zip(*(t.unbind(0) for t in _write_plan(step_slots))))
         metas = []
-        for common, mask in zip(commons, masks):
-            write_slots, write_rows = _write_targets(common.slot_mapping, no_padding_slots)
-            meta = CpuAttnMetadata(common, 1, num_keys, mask[..., :num_keys], block_ids,
+        for common, mask, (write_slots, write_rows) in zip(commons, masks, writes):
+            meta = CpuAttnMetadata(common, 1, num_keys, _keys(mask, num_keys), block_ids,
                                    write_slots, write_rows, None)
             if block_size is not None:
                 meta.by_block_size[block_size] = BlockPlan(plan_blocks, plan_width,
-                                                           mask[..., :plan_width])
+                                                           _keys(mask, plan_width))
             metas.append(meta)
         return metas
+
+
+def _keys(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """mask [..., >= width] -> its first ``width`` keys (the mask itself when that is all)."""
+    return mask if mask.shape[-1] == width else mask[..., :width]
 
 
 def _is_draft_step(common: CommonAttentionMetadata) -> bool:

@@ -48,6 +48,10 @@ class EagleProposer:
         # Persistent buffers, sized once (the graph runner keeps its own static inputs).
         self.arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.arange_cpu = torch.arange(max_num_seqs + 1, dtype=torch.int32)
+        self._single_token_qsl: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # [k - 1, 1] int32: the single-token steps' offsets (index_math.draft_step_offsets)
+        self.step_offsets = index_math.draft_step_offsets(max(num_speculative_tokens - 1, 1),
+                                                          device)
         self.graph_runner = None  # the chain loop's runner (drafter/graphs.py), or eager
         self.tree_drafter = None
         self.tree_runner = None  # the tree levels' runner (drafter/tree_graphs.py), or eager
@@ -179,23 +183,22 @@ class EagleProposer:
         positions = target_positions[..., last_token_indices]  # [B] or [3, B]
         seq_lens = common.seq_lens
         if num_rejected is not None:  # padded path: seq_len ends at the sampled token
-            seq_lens = (seq_lens - num_rejected).to(torch.int32)
+            seq_lens = seq_lens - num_rejected  # [B] int64 (the draft loop narrows it)
         runner = self.graph_runner
         full_loop = num_drafts == self.num_speculative_tokens  # what the graphs captured
         if runner is not None and full_loop and positions.dim() == 1 \
                 and runner.accepts(batch_size):
             rest = runner.run(draft_ids, positions, seq_lens, sample_hidden, common.block_table,
                               common.max_seq_len)
-        else:
-            # Positions are <= max_seq_len - 1, so no step reaches max_model_len (a padding
-            # slot) when this holds; the scheduler's lookahead covers the steps' slots.
-            no_padding = positions.dim() == 1 and \
-                common.max_seq_len + num_drafts - 1 <= self.max_model_len
-            rest = self.draft_steps(draft_ids, positions, seq_lens, sample_hidden,
-                                    common.block_table, kv_caches,
-                                    seq_len_bound=common.max_seq_len, steps=num_drafts - 1,
-                                    no_padding_slots=no_padding)
-        return torch.cat([draft_ids.view(-1, 1), rest], dim=1)  # [B, k]
+            return torch.cat([draft_ids.view(-1, 1), rest], dim=1)  # [B, k]
+        # Positions are <= max_seq_len - 1, so no step reaches max_model_len (a padding
+        # slot) when this holds; the scheduler's lookahead covers the steps' slots.
+        no_padding = positions.dim() == 1 and \
+            common.max_seq_len + num_drafts - 1 <= self.max_model_len
+        drafts = self._draft_loop(draft_ids, positions, seq_lens, sample_hidden,
+                                  common.block_table, kv_caches, common.max_seq_len,
+                                  steps=num_drafts - 1, no_padding_slots=no_padding)
+        return torch.stack([draft_ids, *drafts], dim=1)  # [B, k]
 
     def first_forward(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
                       target_hidden_states, next_token_ids: torch.Tensor,
@@ -247,23 +250,35 @@ class EagleProposer:
         """The k-1 single-token draft steps, sync-free and graph-capturable.
 
         draft_ids [B] (the first draft), positions [B] (or [3, B]; position of the token that
-        produced it), seq_lens [B] int32 (its sequence length), hidden [B, H] (its hidden
-        state), block_table [B, max_blocks_per_seq], seq_len_bound: a host upper bound of
-        every seq_len -> drafts 2..k [B, k-1] (written into ``out`` when given).
+        produced it), seq_lens [B] int32 or int64 (its sequence length), hidden [B, H] (its
+        hidden state), block_table [B, max_blocks_per_seq], seq_len_bound: a host upper bound
+        of every seq_len -> drafts 2..k [B, k-1] (written into ``out`` when given).
         no_padding_slots: the caller's host guarantee that every step's slot is a real one
         (no position reaches max_model_len, block_table covers every draft position): a
         backend that plans the whole loop (``build_for_draft_steps``) then skips the KV-write
         padding redirect. A violated guarantee fails loudly (index out of range).
         """
+        drafts = self._draft_loop(draft_ids, positions, seq_lens, hidden, block_table,
+                                  kv_caches, seq_len_bound, steps=steps,
+                                  no_padding_slots=no_padding_slots)
+        return torch.stack(drafts, dim=1, out=out)
+
+    def _draft_loop(self, draft_ids: torch.Tensor, positions: torch.Tensor,
+                    seq_lens: torch.Tensor, hidden: torch.Tensor, block_table: torch.Tensor,
+                    kv_caches: list[LayerKVCache], seq_len_bound: int, steps: int | None,
+                    no_padding_slots: bool) -> list[torch.Tensor]:
+        """``draft_steps`` before the stacking -> [drafts of step 1, ..., of step k-1], each
+        [B] int64. Planned once per loop where the indexer and the builder allow
+        (``_plan_all_steps``): a step then runs only the head and the argmax."""
         batch_size = draft_ids.shape[0]
         steps = self.num_speculative_tokens - 1 if steps is None else steps
-        query_start_loc = self.arange[:batch_size + 1]
-        query_start_loc_cpu = self.arange_cpu[:batch_size + 1]
+        query_start_loc, query_start_loc_cpu = self._single_token_query_start_loc(batch_size)
         # One host upper bound for every step (seq_lens grow by at most `steps`).
         max_seq_len = min(seq_len_bound + steps, self.max_model_len)
         seq_lens_cpu = torch.full((batch_size,), max_seq_len, dtype=torch.int32)
+        offsets = self.step_offsets if steps == self.step_offsets.shape[0] else None
         indexer = DraftStepIndexer(positions, seq_lens, block_table, steps, self.block_size,
-                                   self.max_model_len)
+                                   self.max_model_len, offsets)
 
         def step_common(slots: torch.Tensor, step_seq_lens: torch.Tensor
                         ) -> CommonAttentionMetadata:
@@ -285,22 +300,32 @@ class EagleProposer:
             hidden = self.head(draft_ids, clamped, hidden, kv_caches, metadata)
             draft_ids = self._greedy(hidden)
             drafts.append(draft_ids)
-        if out is None:
-            return torch.stack(drafts, dim=1)
-        return torch.stack(drafts, dim=1, out=out)
+        return drafts
+
+    def _single_token_query_start_loc(self, batch_size: int
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query_start_loc of one token per request, [0, 1, ..., batch_size] int32, on the
+        device and the host: views of the persistent aranges, kept per batch size (no op)."""
+        views = self._single_token_qsl.get(batch_size)
+        if views is None:
+            views = (self.arange[:batch_size + 1], self.arange_cpu[:batch_size + 1])
+            self._single_token_qsl[batch_size] = views
+        return views
 
     def _plan_all_steps(self, indexer: DraftStepIndexer, steps: int, step_common,
                         no_padding_slots: bool) -> list[tuple[torch.Tensor, object]] | None:
         """[(clamped_positions, attention metadata)] of every draft step, planned together
         when the indexer has the whole schedule (no fused in-place kernel) and the builder
-        plans a loop at once (``build_for_draft_steps``); None: plan step by step.
+        plans a loop at once (``build_for_draft_steps``, handed the schedule's step-major
+        seq_lens and slots [steps, B] so it need not stack them); None: plan step by step.
         step_common(slots, seq_lens) -> the step's CommonAttentionMetadata."""
         build_all = getattr(self.builder, "build_for_draft_steps", None)
         if build_all is None or not indexer.precomputed or steps < 1:
             return None
         inputs = [indexer.step(i) for i in range(1, steps + 1)]
         metadata = build_all([step_common(slots, lens) for _, slots, lens in inputs],
-                             self.block_size, no_padding_slots)
+                             self.block_size, no_padding_slots,
+                             stacked=(indexer.schedule[2], indexer.schedule[1]))
         return [(clamped, meta) for (clamped, _, _), meta in zip(inputs, metadata)]
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -171,6 +171,22 @@ class DraftLoopRunner:
         log.info("captured the draft loop for buckets %s (max_seq_len %d, memory reserved "
                  "per capture %s)", list(self.buckets), self.max_seq_len, self.capture_bytes)
 
+    def _copy_inputs(self, draft_ids: torch.Tensor, positions: torch.Tensor,
+                     seq_lens: torch.Tensor, hidden: torch.Tensor, block_table: torch.Tensor
+                     ) -> None:
+        """The batch's rows [B, ...] into the first B rows of the static buffers; a narrower
+        block table [B, width] leaves -1 in the columns past it."""
+        batch_size, width = draft_ids.shape[0], block_table.shape[1]
+        self.draft_ids[:batch_size].copy_(draft_ids)
+        self.positions[:batch_size].copy_(positions)
+        self.seq_lens[:batch_size].copy_(seq_lens)
+        self.hidden[:batch_size].copy_(hidden)
+        if width == self.block_table.shape[1]:
+            self.block_table[:batch_size].copy_(block_table)
+        else:
+            self.block_table[:batch_size, :width].copy_(block_table)
+            self.block_table[:batch_size, width:].fill_(-1)
+
     def run(self, draft_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
             hidden: torch.Tensor, block_table: torch.Tensor, seq_len_bound: int
             ) -> torch.Tensor:
@@ -182,17 +198,11 @@ class DraftLoopRunner:
                                              block_table, self.kv_caches,
                                              seq_len_bound=seq_len_bound)
         bucket = self.bucket_for(batch_size)
-        width = block_table.shape[1]
-        self.draft_ids[:batch_size].copy_(draft_ids)
-        self.positions[:batch_size].copy_(positions)
-        self.seq_lens[:batch_size].copy_(seq_lens)
-        self.hidden[:batch_size].copy_(hidden)
-        self.block_table[:batch_size, :width].copy_(block_table)
-        self.block_table[:batch_size, width:].fill_(-1)
-        # Padding rows: clamped at every step, so slot -1 and seq_len 1.
-        self.positions[batch_size:bucket].fill_(self.proposer.max_model_len)
-        self.seq_lens[batch_size:bucket].fill_(1)
-        self.block_table[batch_size:bucket].fill_(-1)
+        self._copy_inputs(draft_ids, positions, seq_lens, hidden, block_table)
+        if batch_size < bucket:  # padding rows: clamped at every step, so slot -1, seq_len 1
+            self.positions[batch_size:bucket].fill_(self.proposer.max_model_len)
+            self.seq_lens[batch_size:bucket].fill_(1)
+            self.block_table[batch_size:bucket].fill_(-1)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
         else:

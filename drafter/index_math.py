@@ -132,33 +132,49 @@ def prepare_inputs_cpu(query_start_loc_cpu: torch.Tensor, num_rejected_cpu: torc
     return new_qsl, token_indices
 
 
+def draft_step_offsets(num_steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[num_steps, 1] int32 ``[[1], [2], ..., [num_steps]]``: each draft step's distance from the
+    first draft, in the column ``draft_step_schedule`` broadcasts (a caller may keep one as a
+    persistent buffer: then no op builds it per loop)."""
+    return torch.arange(1, num_steps + 1, dtype=torch.int32, device=device).view(-1, 1)
+
+
 def draft_step_schedule(positions: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, num_steps: int, block_size: int,
-                        max_model_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every draft step's bookkeeping at once: equal to calling ``advance_draft_step``
-    ``num_steps`` times (positions only grow, so a row that exceeds stays exceeded).
+                        max_model_len: int, offsets: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every draft step's bookkeeping at once, step-major: row i equals the (i + 1)-th call of
+    ``advance_draft_step`` (positions only grow, so a row that exceeds stays exceeded), and
+    ``unbind(0)`` hands out all steps' rows in one op.
 
     positions [B] int64 (or [3, B] M-RoPE: all rows advance, and the sequence index
     ``seq_lens - 1 + step`` drives clamping and slots, since after an image the positions
-    trail it by -delta, models/mrope.py), seq_lens [B],
-    block_table [B, max_blocks_per_seq] covering max_model_len
-    -> (clamped_positions [B, num_steps] (or [3, B, num_steps]), slot_mapping [B, num_steps]
-    int64, seq_lens [B, num_steps] int32); column i is draft step i + 1.
+    trail it by -delta, models/mrope.py), seq_lens [B] int32 or int64,
+    block_table [B, max_blocks_per_seq] covering max_model_len, offsets: a kept
+    ``draft_step_offsets(num_steps)`` (built here when None)
+    -> (clamped_positions [num_steps, B] (or [num_steps, 3, B]), slot_mapping [num_steps, B]
+    int64, seq_lens [num_steps, B] int32); row i is draft step i + 1.
 
     Example, block_size 4, max_model_len 10, block_table [[3, 7, 1], [2, 5, 6]],
     positions [4, 8], seq_lens [5, 9], num_steps 2
-    -> clamped [[5, 6], [9, 0]], slots [[29, 30], [25, -1]], seq_lens [[6, 7], [10, 1]].
+    -> clamped [[5, 9], [6, 0]], slots [[29, 25], [30, -1]], seq_lens [[6, 10], [7, 1]].
     """
-    steps = torch.arange(1, num_steps + 1, dtype=torch.int32, device=positions.device)
-    new_positions = positions.unsqueeze(-1) + steps  # [B, S] or [3, B, S], int64
-    index = new_positions if positions.dim() == 1 else \
-        (seq_lens.long() - 1).unsqueeze(-1) + steps  # [B, S] sequence index of each draft
-    exceeds = index >= max_model_len  # [B, S]
-    clamped = new_positions.masked_fill(exceeds, 0)
+    if offsets is None:
+        offsets = draft_step_offsets(num_steps, positions.device)
+    if positions.dim() == 1:
+        new_positions = positions + offsets  # [S, B] int64
+        index = new_positions
+    else:
+        new_positions = positions + offsets.unsqueeze(-1)  # [S, 3, B]
+        index = (seq_lens.long() - 1) + offsets  # [S, B] sequence index of each draft
+    exceeds = index >= max_model_len  # [S, B]
+    clamped = new_positions.masked_fill(exceeds if positions.dim() == 1
+                                        else exceeds.unsqueeze(1), 0)
     clamped_row = clamped if positions.dim() == 1 else index.masked_fill(exceeds, 0)
-    # clamped < max_model_len, so the column is inside any table covering max_model_len.
-    block_ids = block_table.gather(1, clamped_row // block_size)  # [B, S]
+    # clamped < max_model_len, so the column is inside any table covering max_model_len;
+    # gathering along dim 0 of the transposed table keeps the result step-major.
+    block_ids = block_table.t().gather(0, clamped_row // block_size)  # [S, B]
     slots = (block_ids * block_size + clamped_row % block_size).masked_fill(exceeds,
                                                                               PADDING_SLOT_ID)
-    new_seq_lens = (seq_lens.to(torch.int32).unsqueeze(-1) + steps).masked_fill(exceeds, 1)
-    return clamped, slots, new_seq_lens
+    new_seq_lens = (seq_lens + offsets).masked_fill(exceeds, 1)
+    return clamped, slots, new_seq_lens.to(torch.int32)

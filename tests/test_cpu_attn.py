@@ -245,6 +245,20 @@ def test_write_plan_worked_example():
     assert slots.tolist() == [0, 0] and rows.tolist() == [2, 2]
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 2 ** 16))
+def test_stacked_write_plan_plans_each_row_alone(num_steps, num_tokens, seed):
+    """A draft loop's [num_steps, num_tokens] slot mappings planned at once equal each row
+    planned on its own (rows with no valid slot, or no padding, included)."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(-1, 20, (num_steps, num_tokens), generator=g)
+    slots[0] = -1
+    stacked = _write_plan(slots)
+    for i in range(num_steps):
+        alone = _write_plan(slots[i])
+        assert torch.equal(stacked[0][i], alone[0]) and torch.equal(stacked[1][i], alone[1])
+
+
 @pytest.mark.parametrize("method", [None, "eagle3"])
 def test_engine_greedy_outputs_equal_the_oracle_backend(method):
     """The built-in pair, target-only and EAGLE-3: CPU_ATTN gives TORCH_SDPA's tokens."""
@@ -370,6 +384,16 @@ def test_draft_loop_plan_equals_per_step_plans(batch_size, num_steps, block_size
     commons = _draft_loop_commons(seq_lens, slots, max_seq_len, block_table)
     planned = CpuAttnBuilder("cpu").build_for_draft_steps(commons, block_size,
                                                           no_padding_slots=not with_padding)
+    # The draft schedule's step-major tensors handed in (nothing stacked): the same plan.
+    handed = CpuAttnBuilder("cpu").build_for_draft_steps(
+        commons, block_size, no_padding_slots=not with_padding,
+        stacked=(seq_lens.t().contiguous(), slots.t().contiguous()))
+    for got, want in zip(handed, planned):
+        assert torch.equal(got.mask, want.mask) and torch.equal(got.write_slots,
+                                                                want.write_slots)
+        assert (got.write_rows is None) == (want.write_rows is None)
+        assert got.write_rows is None or torch.equal(got.write_rows, want.write_rows)
+        assert torch.equal(got.block_plan(block_size).mask, want.block_plan(block_size).mask)
     for i, (common, fast) in enumerate(zip(commons, planned)):
         ref = CpuAttnBuilder("cpu").build_for_drafting(common, i + 1)
         assert fast.common is common and fast.query_rows is None and fast.groups is None

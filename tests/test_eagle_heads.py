@@ -236,6 +236,42 @@ def test_eagle3_vocab_map(dirs, targets):
                                             torch.arange(160))
 
 
+def test_eagle3_vocab_map_follows_a_reloaded_d2t(dirs, targets):
+    """The one-lookup map (arange + d2t, kept) equals ``id + d2t[id]`` for any id shape, and
+    follows a d2t written in place (a reload) or replaced, into the same kept tensor."""
+    head = load_draft(dirs["e3_bin"], targets["deep"], torch.float32, "cpu", SDPA)
+    ids = torch.tensor([[0, 5, 79], [3, 3, 1]])
+    assert torch.equal(head.draft_to_target(ids), ids + head.d2t[ids])
+    kept = head.target_ids()
+    with torch.no_grad():
+        head.d2t.copy_(torch.arange(80).flip(0))  # as load_state_dict writes it
+    assert torch.equal(head.draft_to_target(ids), ids + head.d2t[ids])
+    assert head.target_ids() is kept and torch.equal(kept, torch.full((80,), 79))
+    head.d2t = torch.zeros(80, dtype=torch.long)
+    assert torch.equal(head.draft_to_target(ids), ids)
+
+
+def test_eagle3_input_norms_are_one_pair(dirs, targets):
+    """Both input norms' weights are rows of one [2, H] tensor (one norm over [n, 2, H] per
+    forward): a load through either parameter lands in the pair, the state dict is the
+    checkpoint's, and a replaced weight is paired again."""
+    from rocdraft.models.eagle3 import paired_norm_weight
+
+    head = load_draft(dirs["e3_bin"], targets["deep"], torch.float32, "cpu", SDPA)
+    mid, s = head.midlayer, _raw_state(dirs["e3_bin"])
+    pair = paired_norm_weight(mid.input_layernorm, mid.hidden_norm)
+    assert paired_norm_weight(mid.input_layernorm, mid.hidden_norm) is pair
+    assert torch.equal(pair[0], s["midlayer.input_layernorm.weight"])
+    assert torch.equal(head.state_dict()["midlayer.hidden_norm.weight"],
+                      s["midlayer.hidden_norm.weight"])
+    with torch.no_grad():
+        mid.hidden_norm.weight.copy_(torch.full_like(pair[1], 2.0))
+    assert torch.equal(pair[1], torch.full_like(pair[1], 2.0))
+    mid.input_layernorm.weight.data = torch.full_like(pair[0], 3.0)
+    again = paired_norm_weight(mid.input_layernorm, mid.hidden_norm)
+    assert again is not pair and again[0].eq(3.0).all() and again[1].eq(2.0).all()
+
+
 def test_format_detected_by_keys_not_architecture(dirs, targets, tmp_path):
     # e3_bin says "LlamaForCausalLM"; an EAGLE-1 head renamed to something odd still loads.
     assert isinstance(load_draft(dirs["e3_bin"], targets["deep"], torch.float32, "cpu", SDPA),

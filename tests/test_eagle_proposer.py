@@ -425,11 +425,11 @@ def test_draft_loop_without_the_padding_redirect_drafts_and_writes_the_same(pair
     batch, sampled, hidden = _run_until_drafting(llm, [1, 2, 0])
     proposer, caches = llm.draft_runner.proposer, llm.draft_runner.kv_caches
     seen = []
-    draft_steps = proposer.draft_steps
+    draft_loop = proposer._draft_loop
 
     def record(*args, **kwargs):
         seen.append(kwargs["no_padding_slots"])
-        return draft_steps(*args, **kwargs)
+        return draft_loop(*args, **kwargs)
 
     discard = torch.tensor([not s for s in batch.samples])
     next_ids, valid = proposer.prepare_next_token_ids_padded(sampled, discard,
@@ -443,7 +443,7 @@ def test_draft_loop_without_the_padding_redirect_drafts_and_writes_the_same(pair
         for cache, (key, value) in zip(caches, saved):
             cache.key.copy_(key)
             cache.value.copy_(value)
-        proposer.draft_steps = lambda *a, flag=flag, **k: record(
+        proposer._draft_loop = lambda *a, flag=flag, **k: record(
             *a, **{**k, "no_padding_slots": flag})
         if not batched:
             proposer._plan_all_steps = lambda *_args: None
@@ -457,7 +457,7 @@ def test_draft_loop_without_the_padding_redirect_drafts_and_writes_the_same(pair
         for (ka, va), (kb, vb) in zip(caches_got, caches_ref):
             assert torch.equal(ka, kb) and torch.equal(va, vb)
     # The flag propose computes itself: True far from max_model_len.
-    proposer.draft_steps = record
+    proposer._draft_loop = record
     seen.clear()
     proposer.propose(batch.input_ids, batch.positions, hidden, next_ids, indices,
                      batch.common, caches, num_rejected=rejected)

@@ -86,6 +86,7 @@ def test_draft_steps_address_the_cache_by_sequence_index():
     seq_lens = torch.tensor([14], dtype=torch.int32)
     block_table = torch.tensor([[3, 7, 1, 5]], dtype=torch.int32)
     clamped, slots, lens = draft_step_schedule(positions, seq_lens, block_table, 3, 4, 16)
-    assert clamped[:, 0].tolist() == [[11, 12, 0]] * 3  # index 16 reaches max_model_len
-    assert slots.tolist() == [[5 * 4 + 2, 5 * 4 + 3, -1]]  # indices 14, 15: block 5
-    assert lens.tolist() == [[15, 16, 1]]
+    assert clamped[:, :, 0].tolist() == [[11, 11, 11], [12, 12, 12], [0, 0, 0]]  # step-major;
+    # index 16 reaches max_model_len
+    assert slots.tolist() == [[5 * 4 + 2], [5 * 4 + 3], [-1]]  # indices 14, 15: block 5
+    assert lens.tolist() == [[15], [16], [1]]

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rocdraft.drafter.index_math import advance_draft_step, draft_step_schedule
+from rocdraft.drafter.index_math import (advance_draft_step, draft_step_offsets,
+                                         draft_step_schedule)
 from rocdraft.drafter.step_update import DraftStepIndexer
 
 
@@ -15,9 +16,9 @@ def test_schedule_docstring_example():
     clamped, slots, seq_lens = draft_step_schedule(
         torch.tensor([4, 8]), torch.tensor([5, 9], dtype=torch.int32),
         torch.tensor([[3, 7, 1], [2, 5, 6]], dtype=torch.int32), 2, 4, 10)
-    assert clamped.tolist() == [[5, 6], [9, 0]]
-    assert slots.tolist() == [[29, 30], [25, -1]]
-    assert seq_lens.tolist() == [[6, 7], [10, 1]]
+    assert clamped.tolist() == [[5, 9], [6, 0]]  # row i: draft step i + 1
+    assert slots.tolist() == [[29, 25], [30, -1]]
+    assert seq_lens.tolist() == [[6, 10], [7, 1]]
 
 
 @settings(max_examples=60, deadline=None)
@@ -32,14 +33,18 @@ def test_schedule_equals_iterated_reference(batch_size, num_steps, block_size, m
     seq_lens = (positions + 1).to(torch.int32)
     clamped, slots, seq = draft_step_schedule(positions, seq_lens, block_table, num_steps,
                                               block_size, max_model_len)
+    kept = draft_step_schedule(positions, seq_lens.long(), block_table, num_steps, block_size,
+                               max_model_len, draft_step_offsets(num_steps))
+    assert all(torch.equal(a, b) for a, b in zip(kept, (clamped, slots, seq)))
+    assert (clamped.dtype, slots.dtype, seq.dtype) == (torch.int64, torch.int64, torch.int32)
     indexer = DraftStepIndexer(positions, seq_lens, block_table, num_steps, block_size,
                                max_model_len)
     p, s = positions, seq_lens
     for i in range(num_steps):
         p, c, sl, s = advance_draft_step(p, s, block_table, block_size, max_model_len)
-        assert torch.equal(clamped[:, i], c)
-        assert torch.equal(slots[:, i], sl)
-        assert torch.equal(seq[:, i], s.to(torch.int32))
+        assert torch.equal(clamped[i], c)
+        assert torch.equal(slots[i], sl)
+        assert torch.equal(seq[i], s.to(torch.int32))
         step = indexer.step(i + 1)
         assert all(torch.equal(a, b) for a, b in zip(step, (c, sl, s.to(torch.int32))))
 
@@ -48,8 +53,8 @@ def test_schedule_mrope_rows_follow_row_zero():
     positions = torch.tensor([[7, 8], [7, 8], [5, 6]])
     clamped, slots, seq = draft_step_schedule(positions, torch.tensor([8, 9]),
                                               torch.zeros(2, 3, dtype=torch.int32), 2, 4, 10)
-    assert clamped.tolist() == [[[8, 9], [9, 0]], [[8, 9], [9, 0]], [[6, 7], [7, 0]]]
-    assert slots[1].tolist() == [1, -1]
+    assert clamped.tolist() == [[[8, 9], [8, 9], [6, 7]], [[9, 0], [9, 0], [7, 0]]]
+    assert slots[:, 1].tolist() == [1, -1]
     assert seq.tolist() == [[9, 10], [10, 1]]
 
 
@@ -64,3 +69,9 @@ def test_cpu_and_mrope_positions_take_the_torch_schedule():
         mrope = torch.tensor([[7, 8], [7, 8], [5, 6]], device=device)
         indexer = DraftStepIndexer(mrope, seq_lens.to(device), block_table.to(device), 2, 4, 10)
         assert indexer.kernel is None
+
+
+def test_step_offsets_are_the_schedules_column():
+    """draft_step_offsets: what the schedule builds when none is kept, [[1], ..., [S]]."""
+    assert draft_step_offsets(3).tolist() == [[1], [2], [3]]
+    assert draft_step_offsets(3).dtype == torch.int32
