@@ -47,14 +47,17 @@ def capture_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(buckets) + (max_num_seqs,)
 
 
-def graph_capture_refusal(backend, device: str, enforce_eager: bool) -> str | None:
-    """Why the draft loop will run without graphs, or None when it will be captured."""
+def graph_capture_refusal(backend, device: str, enforce_eager: bool,
+                          role: str = "draft") -> str | None:
+    """Why the draft loop (``role`` "draft"; the target forward: "target",
+    rocdraft/engine/target_graphs.py) will run without graphs, or None when it will be
+    captured."""
     if enforce_eager:
         return "enforce_eager is set"
     if not str(device).startswith("cuda") or not torch.cuda.is_available():
         return "no GPU: graphs need CUDA or HIP (the CPU replays the same buffers eagerly)"
     if not backend.capabilities.has(Feature.FULL_GRAPH_CAPTURE):
-        return (f"draft attention backend {backend.name} declares graph capture "
+        return (f"{role} attention backend {backend.name} declares graph capture "
                 f"{backend.capabilities.graph_capture.name}, not FULL")
     return None
 

@@ -417,3 +417,11 @@ def _load_head(path: Path) -> dict[str, torch.Tensor]:
         return torch.load(path, weights_only=True)
     from safetensors.torch import load_file
     return load_file(str(path))
+
+
+def write_cyclic_pair(root: str | Path) -> tuple[str, str]:
+    """(target, EAGLE-3 head) directories under ``root``: a cyclic target and a head that is
+    right most of the time (drafts accepted often, not always)."""
+    root = Path(root)
+    target = write_cyclic_llama(root / "target")
+    return str(target), str(write_cyclic_eagle3_head(root / "eagle3", target))

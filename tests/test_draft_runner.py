@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
+from checkpoints import write_cyclic_pair
 from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.drafter.graphs import capture_buckets
 from rocdraft.drafter.tree_draft import TreeDrafts
@@ -21,9 +21,7 @@ STATIC = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("draft_runner")
-    target = write_cyclic_llama(root / "target")
-    return str(target), str(write_cyclic_eagle3_head(root / "eagle3", target))
+    return write_cyclic_pair(tmp_path_factory.mktemp("draft_runner"))
 
 
 def test_drafts_to_host_reads_chains_and_trees_cut_to_their_node_counts():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
+from checkpoints import write_cyclic_pair
 from sync_counter import count_syncs
 from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.core.request import Request
@@ -30,9 +30,7 @@ TREE = "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A cyclic target and an EAGLE-3 head that is right most of the time."""
-    root = tmp_path_factory.mktemp("target_graphs")
-    target = write_cyclic_llama(root / "target")
-    return str(target), str(write_cyclic_eagle3_head(root / "eagle3", target))
+    return write_cyclic_pair(tmp_path_factory.mktemp("target_graphs"))
 
 
 def _spec(kind: str) -> dict:

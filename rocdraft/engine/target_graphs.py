@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from rocdraft.backends.base import Feature
+from rocdraft.drafter.graphs import graph_capture_refusal
 from rocdraft.core.scheduler import ScheduledRequest
 from rocdraft.core.step_batch import StepBatch
 
@@ -42,19 +42,13 @@ log = logging.getLogger(__name__)
 
 def target_graph_refusal(backend, device: str, enforce_eager: bool, tensor_parallel: bool,
                          compiled: bool) -> str | None:
-    """Why the target forward will not be captured, or None when it will be."""
-    if enforce_eager:
-        return "enforce_eager is set"
-    if tensor_parallel:
+    """Why the target forward will not be captured, or None when it will be: the draft
+    loop's reasons (drafter/graphs.py) after tensor parallelism and compile."""
+    if not enforce_eager and tensor_parallel:
         return "tensor parallelism: the forward holds collectives with the worker processes"
-    if compiled:
+    if not enforce_eager and compiled:
         return "compile is set"
-    if not str(device).startswith("cuda") or not torch.cuda.is_available():
-        return "no GPU: graphs need CUDA or HIP (the CPU replays the same buffers eagerly)"
-    if not backend.capabilities.has(Feature.FULL_GRAPH_CAPTURE):
-        return (f"target attention backend {backend.name} declares graph capture "
-                f"{backend.capabilities.graph_capture.name}, not FULL")
-    return None
+    return graph_capture_refusal(backend, device, enforce_eager, role="target")
 
 
 def input_bytes_bound(rows: int, max_query_len: int, max_blocks_per_seq: int) -> int:
