@@ -72,26 +72,32 @@ def sdpa_gather_bytes(bucket: int, max_seq_len: int, num_kv_heads: int, head_dim
     return 2 * 4 * bucket * max_seq_len * num_kv_heads * head_dim
 
 
+def capture_one(run, pool) -> tuple["torch.cuda.CUDAGraph", int, object]:
+    """Capture ``run()`` as one CUDA/HIP graph in ``pool`` after two warm-up runs on a side
+    stream (lazy inits, autotuning, allocator growth) -> (graph, memory reserved by the
+    capture, what the captured ``run()`` returned: its static outputs)."""
+    before = torch.cuda.memory_reserved()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, torch.cuda.memory_reserved() - before, output
+
+
 def capture_per_bucket(buckets: tuple[int, ...], loop
                        ) -> tuple[dict[int, "torch.cuda.CUDAGraph"], dict[int, int]]:
-    """Capture ``loop(bucket)`` as one CUDA/HIP graph per bucket, all in one memory pool
-    (largest bucket first, so the pool fits them all), after two warm-up runs on a side
-    stream -> (bucket -> graph, bucket -> memory reserved by its capture)."""
+    """Capture ``loop(bucket)`` as one CUDA/HIP graph per bucket (``capture_one``), all in
+    one memory pool (largest bucket first, so the pool fits them all) -> (bucket -> graph,
+    bucket -> memory reserved by its capture)."""
     pool = torch.cuda.graph_pool_handle()
     graphs, capture_bytes = {}, {}
     for bucket in sorted(buckets, reverse=True):
-        before = torch.cuda.memory_reserved()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: lazy inits, autotuning, allocator growth
-                loop(bucket)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            loop(bucket)
-        graphs[bucket] = graph
-        capture_bytes[bucket] = torch.cuda.memory_reserved() - before
+        graphs[bucket], capture_bytes[bucket], _ = capture_one(lambda: loop(bucket), pool)
     return graphs, capture_bytes
 
 

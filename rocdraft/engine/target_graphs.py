@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from rocdraft.drafter.graphs import graph_capture_refusal
+from rocdraft.drafter.graphs import capture_one, graph_capture_refusal
 from rocdraft.core.scheduler import ScheduledRequest
 from rocdraft.core.step_batch import StepBatch
 
@@ -142,17 +142,7 @@ class TargetGraphRunner:
                            aux_layer_ids=aux_layer_ids)
 
     def _capture(self, key: tuple, batch: StepBatch, aux_layer_ids: tuple[int, ...]) -> None:
-        before = torch.cuda.memory_reserved()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: lazy inits, autotuning, allocator growth
-                self._run(batch, aux_layer_ids)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[key] = self._run(batch, aux_layer_ids)
-        self.graphs[key] = graph
-        self.capture_bytes[key] = torch.cuda.memory_reserved() - before
+        self.graphs[key], self.capture_bytes[key], self.outputs[key] = capture_one(
+            lambda: self._run(batch, aux_layer_ids), self.pool)
         log.info("captured the target forward for (bucket, q, drafts, tree mask, aux) %s: "
                  "%d bytes reserved", key, self.capture_bytes[key])
