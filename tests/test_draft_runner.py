@@ -1,9 +1,9 @@
 """DraftRunner (rocdraft/spec_decode/draft_runner.py): the runners its proposer builds per
 graph mode (none on the CPU by default; the GPU's runners replayed eagerly with
-"replay-eagerly"), typed chain and tree results, and ``drafts_to_host``'s one copy cut to
-each tree's node count. The drafts themselves are tested through the engine
-(tests/test_speculative.py, tests/test_tree_step.py) and the proposer
-(tests/test_eagle_proposer.py)."""
+"replay-eagerly"), typed chain and tree results, and the drafts' host rows
+(``draft_parts`` read at once, ``drafts_from_rows``) cut to each tree's node count. The
+drafts themselves are tested through the engine (tests/test_speculative.py,
+tests/test_tree_step.py) and the proposer (tests/test_eagle_proposer.py)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,8 @@ from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.drafter.graphs import capture_buckets
 from rocdraft.drafter.tree_draft import TreeDrafts
 from rocdraft.engine import LLM
-from rocdraft.spec_decode.draft_runner import ChainDrafts, drafts_to_host
+from rocdraft.engine.request_updates import read_together
+from rocdraft.spec_decode.draft_runner import ChainDrafts, draft_parts, drafts_from_rows
 
 STATIC = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 
@@ -22,6 +23,12 @@ STATIC = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return write_cyclic_pair(tmp_path_factory.mktemp("draft_runner"))
+
+
+def drafts_to_host(drafts, keep_scores: bool):
+    """What the engine's step read does with the drafts (request_updates.read_step)."""
+    parts = draft_parts(drafts)
+    return drafts_from_rows(drafts, read_together(parts) if parts else [], keep_scores)
 
 
 def test_drafts_to_host_reads_chains_and_trees_cut_to_their_node_counts():

@@ -14,7 +14,7 @@ from rocdraft.core.step_batch import StepBatch
 from rocdraft.drafter.tree_index import host_depths
 from rocdraft.outputs import GenerationStats
 from rocdraft.sample.tree_sampler import TreeVerifyResult
-from rocdraft.spec_decode.draft_runner import ChainDrafts
+from rocdraft.spec_decode.draft_runner import draft_parts, drafts_from_rows
 from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
 
 
@@ -37,26 +37,13 @@ def read_step(sampled: torch.Tensor, drafts, verified_tree: TreeVerifyResult | N
     the next drafts (a chain's tokens, or a tree's tokens, parents and node counts) and,
     where the policy asks, the verified trees' paths, concatenated on the device first. A
     dynamic tree's scores, when the cost-based tree budget keeps them, are a second read."""
-    parts = [sampled]
-    if isinstance(drafts, ChainDrafts):
-        parts.append(drafts.tokens)
-    elif drafts is not None:  # TreeDrafts
-        parts += [drafts.tokens, drafts.parents, drafts.num_nodes.view(-1, 1)]
+    drafted = draft_parts(drafts)
     want_paths = verified_tree is not None and policy.wants_tree_paths
-    if want_paths:
-        parts.append(verified_tree.accepted_nodes)
-    host = read_together(parts)
+    host = read_together([sampled, *drafted]
+                         + ([verified_tree.accepted_nodes] if want_paths else []))
+    keep_scores = policy is not None and policy.wants_tree_scores
+    drafts_cpu = drafts_from_rows(drafts, host[1:1 + len(drafted)], keep_scores)
     sampled_cpu = host[0]
-    drafts_cpu = None
-    if isinstance(drafts, ChainDrafts):
-        drafts_cpu = host[1]
-    elif drafts is not None:
-        keep_scores = policy is not None and policy.wants_tree_scores
-        scores = drafts.scores.tolist() if keep_scores and drafts.scores is not None \
-            else [[]] * len(sampled_cpu)
-        drafts_cpu = [(tokens[:n], parents[:n], row_scores[:n])
-                      for tokens, parents, (n,), row_scores
-                      in zip(host[1], host[2], host[3], scores)]
     paths = host[-1] if want_paths else None
     parents = None if paths is None else \
         [s.request.spec_parents[:s.num_draft_tokens] for s in scheduled]

@@ -10,7 +10,8 @@ a verified step into the next step's drafts.
         ──propose_chain ──> ChainDrafts: tokens [B, n]
         ──propose_tree  ──> TreeDrafts: tokens, parents [B, N], num_nodes [B], scores
 
-``drafts_to_host`` reads either result in one device-to-host copy. How many drafts, which
+``draft_parts`` names what the host reads of either result (in the step's one device-to-host
+copy) and ``drafts_from_rows`` turns those rows into per-request drafts. How many drafts, which
 shape and which tree budget are the policy's (rocdraft/spec_decode/policy.py), handed in.
 """
 from __future__ import annotations
@@ -146,21 +147,29 @@ class DraftRunner:
                 self.kv_caches), None, batch.head_splice and batch.head_splice.kept(kept)
 
 
-def drafts_to_host(drafts: ChainDrafts | TreeDrafts | None, keep_scores: bool) -> list | None:
-    """The drafts per request on the host, in one device-to-host copy: a chain's token list,
-    or a tree's (tokens, parents, scores) cut to its node count (scores only when
-    ``keep_scores`` and the tree has them, else empty)."""
+def draft_parts(drafts: ChainDrafts | TreeDrafts | None) -> list[torch.Tensor]:
+    """The [B, w] device tensors the host reads of ``drafts`` (the engine reads them in the
+    step's one device-to-host copy, rocdraft/engine/request_updates.py): a chain's tokens,
+    or a tree's tokens, parents and node counts; nothing without drafts."""
+    if drafts is None:
+        return []
+    if isinstance(drafts, ChainDrafts):
+        return [drafts.tokens]
+    return [drafts.tokens, drafts.parents, drafts.num_nodes.view(-1, 1)]
+
+
+def drafts_from_rows(drafts: ChainDrafts | TreeDrafts | None, rows: list,
+                     keep_scores: bool) -> list | None:
+    """``rows``: the host rows of each of ``draft_parts(drafts)`` -> the drafts per request:
+    a chain's token list, or a tree's (tokens, parents, scores) cut to its node count
+    (scores, a read of their own, only when ``keep_scores`` and the tree has them, else
+    empty)."""
     if drafts is None:
         return None
     if isinstance(drafts, ChainDrafts):
-        return drafts.tokens.tolist()
-    width = drafts.tokens.shape[1]
-    rows = torch.cat([drafts.tokens, drafts.parents, drafts.num_nodes.view(-1, 1)],
-                     dim=1).tolist()
+        return rows[0]
+    tokens, parents, counts = rows
     scores = drafts.scores.tolist() if keep_scores and drafts.scores is not None \
-        else [[]] * len(rows)
-    host = []
-    for row, row_scores in zip(rows, scores):
-        n = int(row[-1])
-        host.append((row[:n], row[width:width + n], row_scores[:n]))
-    return host
+        else [[]] * len(tokens)
+    return [(t[:n], p[:n], row_scores[:n])
+            for t, p, (n,), row_scores in zip(tokens, parents, counts, scores)]
