@@ -74,7 +74,6 @@ class StepInputBuffers:
         self._copied: list = [None, None]  # the event after each staging buffer's last copy
         self._turn = 0  # which pinned staging buffer the next upload fills
         self.num_uploads = 0  # uploads made: one per step (tests read it)
-        self.num_copies = 0  # host-to-device copies made (GPU only)
 
     def _staging_for(self, used: int) -> torch.Tensor:
         """The pinned staging buffer of this turn, at least ``used`` bytes (grown by
@@ -111,7 +110,6 @@ class StepInputBuffers:
         event.record()
         self._copied[self._turn] = event
         self._turn ^= 1
-        self.num_copies += 1
         return typed_views(target, sections, offsets)
 
 

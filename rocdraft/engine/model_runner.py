@@ -29,8 +29,8 @@ from rocdraft.core.scheduler import ScheduledRequest
 from rocdraft.core.step_batch import StepBatch, build_step_batch
 from rocdraft.core.step_inputs import StepInputBuffers
 from rocdraft.distributed.engine_setup import start_tensor_parallel, worker_spec
-from rocdraft.engine.args import EngineArgs
 from rocdraft.drafter.graphs import capture_buckets
+from rocdraft.engine.args import EngineArgs
 from rocdraft.engine.loading import load_target_model
 from rocdraft.engine.target_graphs import (TargetGraphRunner, captured_seq_len,
                                            input_bytes_bound, target_graph_refusal)
