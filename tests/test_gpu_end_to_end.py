@@ -6,7 +6,8 @@
   so they are compared on a prefix);
 - the draft loop captured as CUDA/HIP graphs per bucket equals eager drafting;
 - the target forward captured per (bucket, query length) equals the eager engine for
-  decode, chain and tree verification at every bucket of max_num_seqs 8, reports its capture memory, and
+  decode, chain and tree verification at every bucket of max_num_seqs 8, reports its
+  capture memory, and
   a captured decode / verify step reads the device once;
 - tree speculation (static and dynamic trees: tree-masked verification, KV compaction with
   the device kernels, the per-level tree loop captured per bucket) equals target-only;

@@ -100,7 +100,8 @@ def test_only_uniform_batches_without_images_go_to_a_bucket(pair):
     padded = batch.padded
     assert padded is not None and padded.common.num_reqs == 4
     assert padded.common.slot_mapping[3:].tolist() == [-1]  # the padding row writes nowhere
-    assert padded.common.block_table[3].tolist() == [-1] * runner.scheduler_config.max_blocks_per_seq
+    width = runner.scheduler_config.max_blocks_per_seq
+    assert padded.common.block_table[3].tolist() == [-1] * width
     assert batch.common.num_reqs == 3 and batch.input_ids.shape == (3,)
     # The batch's own tensors are views of the padded static inputs (one upload).
     assert batch.input_ids.data_ptr() == padded.input_ids.data_ptr()

@@ -60,7 +60,8 @@ class StepInputBuffers:
 
     ``upload(values, persistent)``: values name -> host tensor (any dtype/shape) -> name ->
     device view, after exactly one host-to-device copy (none on the CPU: a fresh upload
-    returns the host tensors themselves, a persistent one fills the buffer directly). ``persistent=True`` writes into the buffer this object owns
+    returns the host tensors themselves, a persistent one fills the buffer directly).
+    ``persistent=True`` writes into the buffer this object owns
     (the graph runner's static inputs; they are overwritten by the next persistent upload),
     else into fresh device memory that the step's tensors own alone."""
 

@@ -184,7 +184,7 @@ class ModelRunner:
         """The target forward over ``batch`` (with its image embeddings spliced in, for a
         vision-language target) -> (model output: hidden_states [num_tokens, H] and the
         inputs of ``aux_layer_ids``, logits [B, max_drafts + 1, V] at the sample positions)."""
-        if batch.padded is not None:  # a uniform batch: its graph (rocdraft/engine/target_graphs.py)
+        if batch.padded is not None:  # a uniform batch: its graph (engine/target_graphs.py)
             out = self.graphs.forward(batch, aux_layer_ids)
         else:
             metadata = self.builder.build(batch.common)

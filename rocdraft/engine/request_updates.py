@@ -21,8 +21,8 @@ from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
 @dataclass(frozen=True)
 class HostStep:
     """A step's results on the host: sampled [B][k+1] (-1 = rejected), the next drafts per
-    request (a chain's tokens, or a tree's (tokens, parents, scores)) or None, and for a verified tree whose paths the policy
-    reads, the accepted node per depth and the verified trees' parents (read before the
+    request (a chain's tokens, or a tree's (tokens, parents, scores)) or None, and for a
+    verified tree whose paths the policy reads, the accepted node per depth and the verified trees' parents (read before the
     requests take the next drafts; [] for a request that verified a chain), else None."""
 
     sampled: list[list[int]]
