@@ -22,8 +22,9 @@ from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
 class HostStep:
     """A step's results on the host: sampled [B][k+1] (-1 = rejected), the next drafts per
     request (a chain's tokens, or a tree's (tokens, parents, scores)) or None, and for a
-    verified tree whose paths the policy reads, the accepted node per depth and the verified trees' parents (read before the
-    requests take the next drafts; [] for a request that verified a chain), else None."""
+    verified tree whose paths the policy reads, the accepted node per depth and the verified
+    trees' parents (read before the requests take the next drafts; [] for a request that
+    verified a chain), else None."""
 
     sampled: list[list[int]]
     drafts: list | None
