@@ -83,7 +83,7 @@ class Eagle1Head(nn.Module):
         if splice is not None:
             embeds = splice.apply(embeds)
         rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
-        hidden = self.fc(torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
+        hidden = project(self.fc, torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
         for weights, kv_cache in zip(self._weights.get(self), kv_caches, strict=True):
             hidden = decoder_forward(weights, hidden, rope, kv_cache, attn_metadata,
                                      self.regions)

@@ -173,7 +173,7 @@ class Eagle3Head(nn.Module):
         if target_hidden.shape[-1] != self.fc.in_features:
             raise ValueError(f"EAGLE-3 fc takes {self.fc.in_features} features (3 aux layers), "
                              f"got {target_hidden.shape[-1]}")
-        return self.fc(target_hidden.to(self.fc.weight.dtype))
+        return project(self.fc, target_hidden.to(self.fc.weight.dtype))
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         c = self.config

@@ -33,10 +33,16 @@ import torch
 import torch.nn.functional as F
 
 from rocdraft.backends.kv_cache import LayerKVCache
-from rocdraft.models.layers import AttentionWeights, BlockWeights, apply_linear
+from rocdraft.models.layers import AttentionWeights, BlockWeights, Linear
 from rocdraft.models.rope import RopeTables, apply_rotary_tables
 
 FUSED_DEVICE_TYPES = ("cuda",)
+
+
+def _linear(x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    """x [n, in] -> [n, out] as ``F.linear`` (contiguous rows for the Triton kernels; the CPU
+    matmul forms of models/linear_form.py are for the eager CPU stack)."""
+    return F.linear(x, linear[0], linear[1]) if type(linear) is tuple else linear(x)
 
 
 def runs_fused(hidden: torch.Tensor) -> bool:
@@ -82,9 +88,9 @@ def fused_stack_forward(layers: list[BlockWeights], hidden: torch.Tensor, rope: 
         if i in aux_layer_ids:
             captured[i] = residual
         attn_out = fused_attention(w.attn, x, rope, kv_caches[i], attn_metadata)
-        h, residual = add_rms_norm_triton(apply_linear(attn_out, w.attn.o), residual,
+        h, residual = add_rms_norm_triton(_linear(attn_out, w.attn.o), residual,
                                           *w.post_norm)
         gate_up = F.linear(h, *w.mlp.gate_up)  # [num_tokens, 2 * intermediate]
-        delta = apply_linear(silu_mul_triton(gate_up), w.mlp.down)
+        delta = _linear(silu_mul_triton(gate_up), w.mlp.down)
     normed, _ = add_rms_norm_triton(delta, residual, *final_norm)
     return normed, tuple(captured[i] for i in aux_layer_ids)

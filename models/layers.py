@@ -30,6 +30,7 @@ from torch import nn
 
 from rocdraft.backends.base import AttentionBackend, AttentionImpl
 from rocdraft.backends.kv_cache import LayerKVCache, write_kv_reference
+from rocdraft.models.linear_form import run_linear
 from rocdraft.models.rope import RopeTables, apply_rotary_tables
 
 
@@ -108,35 +109,11 @@ Linear = Union[tuple[torch.Tensor, Union[torch.Tensor, None]], Callable[[torch.T
                                                                         torch.Tensor]]
 
 
-# torch's CPU matmul (2.13) takes a slower kernel for fewer than 16 rows against a wide weight
-# (at least 2048 outputs: gate/up, lm_head): on the CI CPU a 14-token forward of the built-in
-# target took 12.5 ms, a 16-token one 10.3 ms, and 9-15 tokens padded to 16 rows 9.3-10.0 ms.
-# Rows that few leave a matmul bound by reading its weight, so where no such cliff exists the
-# padding costs little. Padding changes no row's value beyond the kernel's own rounding.
-PAD_ROWS_TO = 16
-PAD_MIN_OUT_FEATURES = 2048
-
-
-def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """``F.linear`` for x [num_tokens, in_features], 9..15 rows padded to 16 on the CPU
-    when ``weight`` has at least PAD_MIN_OUT_FEATURES rows -> [num_tokens, out_features].
-    Not inside ``torch.compile`` (models/compiled_regions.py), whose graphs stay one per
-    region rather than one more for the padded row counts."""
-    rows = x.shape[0]
-    # is_compiling first: a comparison of the symbolic row count would add a guard.
-    if not torch.compiler.is_compiling() and x.device.type == "cpu" \
-            and weight.shape[0] >= PAD_MIN_OUT_FEATURES and PAD_ROWS_TO // 2 < rows < PAD_ROWS_TO:
-        padded = torch.cat([x, x.new_zeros(PAD_ROWS_TO - rows, x.shape[1])])
-        return F.linear(padded, weight, bias)[:rows]
-    return F.linear(x, weight, bias)
-
-
 def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A plain nn.Linear through ``wide_linear`` (the lm_heads), any other module (a
-    tensor-parallel lm_head) through its forward. x [n, in] -> [n, out]."""
+    """A plain nn.Linear through ``run_linear`` (the lm_heads, EAGLE's fc), any other module
+    (a tensor-parallel lm_head) through its forward. x [n, in] -> [n, out]."""
     if type(module) is nn.Linear:
-        return wide_linear(x, module.weight, module.bias)
+        return run_linear(x, module.weight, module.bias)
     return module(x)
 
 
@@ -145,8 +122,9 @@ def linear_of(module: nn.Module) -> Linear:
 
 
 def apply_linear(x: torch.Tensor, linear: Linear) -> torch.Tensor:
-    """x [num_tokens, in_features] -> [num_tokens, out_features]."""
-    return F.linear(x, linear[0], linear[1]) if type(linear) is tuple else linear(x)
+    """x [num_tokens, in_features] -> [num_tokens, out_features] (a plain weight through
+    ``run_linear``: on the CPU, the matmul form its shape runs fastest as)."""
+    return run_linear(x, linear[0], linear[1]) if type(linear) is tuple else linear(x)
 
 
 class MlpWeights(NamedTuple):
@@ -164,7 +142,7 @@ def silu_mul_reference(gate_up: torch.Tensor, size: int) -> torch.Tensor:
 
 def gated_mlp_forward(w: MlpWeights, x: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, hidden_size] -> [num_tokens, hidden_size]: down(silu(gate) * up)."""
-    gate_up = wide_linear(x, *w.gate_up)  # [num_tokens, 2 * intermediate]
+    gate_up = run_linear(x, *w.gate_up)  # [num_tokens, 2 * intermediate]
     size = w.intermediate_size  # as silu_mul_reference, inline (one call fewer per layer)
     return apply_linear(F.silu(gate_up[..., :size]).mul_(gate_up[..., size:]), w.down)
 
@@ -188,7 +166,8 @@ def qkv_rope(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None,
     if norm is not None:
         x = rms_norm(x, *norm)
     num_tokens = x.shape[0]
-    qkv_out = F.linear(x, *qkv).view(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
+    qkv_out = run_linear(x, *qkv, contiguous_rows=True).view(
+        num_tokens, num_heads + 2 * num_kv_heads, head_dim)
     qk = apply_rotary_tables(qkv_out[:, :num_heads + num_kv_heads], RopeTables(cos, sin_signed))
     return qk[:, :num_heads], qk[:, num_heads:], qkv_out[:, num_heads + num_kv_heads:]
 

@@ -73,13 +73,15 @@ def _start_batch(llm: LLM, prompts: list[str], max_tokens: int) -> list:
 
 
 def weight_bytes(events, itemsize: int) -> int:
-    """Bytes of the second operand (the weight) of every profiled mm / addmm."""
+    """Bytes of the weight of every profiled mm / addmm: the larger of its two matrix
+    operands (a step's matmuls have fewer rows than any weight has; the CPU runs some weight
+    first, models/linear_form.py)."""
     total = 0
     for e in events:
         if e.name in ("aten::mm", "aten::addmm") and e.input_shapes:
-            shape = e.input_shapes[1 if e.name == "aten::mm" else 2]
-            if len(shape) == 2:
-                total += shape[0] * shape[1] * itemsize
+            operands = e.input_shapes[-2:]
+            if all(len(shape) == 2 for shape in operands):
+                total += max(a * b for a, b in operands) * itemsize
     return total
 
 

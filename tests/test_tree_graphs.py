@@ -4,17 +4,25 @@ buffers give the same trees as unbucketed drafting and write the same draft KV c
 back to eager drafting; the engine keeps greedy output lossless through the runner.
 
 What this proves: the padding, the static buffers and the copies are right, and the loop is
-free of host reads on the CPU path. Only a GPU run proves the captured graph itself."""
+free of host reads on the CPU path. Only a GPU run proves the captured graph itself.
+
+The bucketed replay runs the head on more rows than eager drafting (3 requests in bucket 4),
+and a BLAS kernel may round a row differently by how many rows share the call (MKL does for
+1 vs 2 and 3 vs 4 rows, in both CPU matmul forms, models/linear_form.py): the byte-equality
+test runs every linear one row at a time (``row_invariant_linears``) so that it compares the
+padding machinery, not the library's blocking."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
 from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.drafter.graphs import capture_buckets
 from rocdraft.drafter.tree_graphs import TreeLoopRunner
 from rocdraft.engine import LLM
+from rocdraft.models import layers
 
 TREES = {"static": dict(speculative_token_tree="[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"),
          "dynamic": dict(tree_depth=3, tree_top_k=2, tree_total_tokens=6)}
@@ -33,13 +41,25 @@ def engine(pair, tree: str, **kwargs) -> LLM:
                speculative_config=SpeculativeConfig("eagle3", **TREES[tree]), **kwargs)
 
 
+@pytest.fixture
+def row_invariant_linears(monkeypatch):
+    """Every linear of the models as one 1-row F.linear per row: a row's value no longer
+    depends on how many rows the call has."""
+    def per_row(x, weight, bias=None, contiguous_rows=False):
+        return torch.cat([F.linear(row, weight, bias) for row in x.split(1)]) if x.shape[0] \
+            else F.linear(x, weight, bias)
+
+    monkeypatch.setattr(layers, "run_linear", per_row)
+
+
 def snapshot(caches) -> list[torch.Tensor]:
     return [t.clone() for c in caches for t in (c.key, c.value)]
 
 
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("batch_size", [1, 3, 5])
-def test_bucketed_replay_equals_unbucketed_drafting(pair, tree, batch_size):
+def test_bucketed_replay_equals_unbucketed_drafting(pair, tree, batch_size,
+                                                    row_invariant_linears):
     llm = engine(pair, tree, max_num_seqs=8)
     proposer, drafter = llm.draft_runner.proposer, llm.draft_runner.proposer.tree_drafter
     max_blocks = llm.scheduler_config.max_blocks_per_seq

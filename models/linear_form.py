@@ -1,0 +1,96 @@
+"""Which matmul a CPU linear layer runs as (issue 28): the same product, the kernel torch's
+CPU BLAS (MKL in torch 2.13's CPU wheel) is fastest with for a few rows.
+
+``F.linear(x, W)`` computes ``x @ W.T`` for x [rows, in] and W [out, in]. For a handful of
+rows the library's path for that form is slow on the CPUs we measured (AMD EPYC, 1 thread,
+float32), slower than the same product written weight-first, ``(W @ x.T).T``: W is read
+row by row either way, but the weight-first form is a tall matrix times a thin one, which the
+library runs at memory speed. Whole forwards of the built-in target (57 MB of float32
+weights, streaming from memory), interleaved medians in one process:
+
+- 1 row (bs-1 decode): every weight weight-first, the row doubled to two columns first
+  (MKL's one-column path is the slow one: lm_head [4096, 384] 416 -> 246 us): 5.46 -> 4.22
+  ms per step; weight-first only for the wide weights 4.51 ms.
+- 2-8 rows (a bs-1 verify of 1-7 drafts, a bs-8 decode, the head's draft steps): only
+  weights wider than tall (out > in: q/k/v, gate/up, lm_heads) gain; o_proj, down_proj
+  and EAGLE's fc lose (down [384, 1024] at 5 rows 91 -> 97 us). EAGLE-3 k = 4 step at bs 1
+  11.3 -> 9.5 ms; bs-8 decode 8.3 -> 7.3 ms.
+- 9-15 rows against a weight of at least PAD_MIN_OUT_FEATURES rows: padded to 16 rows
+  (below 16 rows the library takes a slower kernel: a 14-token forward 12.5 -> 10.0 ms).
+- 16 rows and more: every form costs the same; ``F.linear``.
+
+The weight-first result is the transpose of a contiguous [out, rows] tensor: a view with
+strides (1, rows), which every torch op downstream takes as is; q/k/v ask for a copy with
+contiguous rows (``contiguous_rows``: the Triton KV write needs stride-1 heads; the copy is
+rows x out floats, and q/k/v weight-first with it still beat ``F.linear``: bs-1 decode 4.09 ->
+3.94 ms). Each output element is the same dot product in another kernel, so values differ
+from ``F.linear`` only by rounding (float32: ~1e-6 relative). Only CPU float32 forwards
+outside ``torch.compile`` are dispatched; GPU forwards, other dtypes and compiled regions run
+``F.linear`` unchanged. What this proves is this machine's library: another CPU (an Intel
+part, a future MKL) may rank the forms differently, which ``scripts/bench_linear_forms.py``
+measures.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PLAIN = "plain"  # F.linear(x, W, b)
+PADDED = "padded"  # F.linear on the rows padded to PAD_ROWS_TO, the padding cut off
+WEIGHT_FIRST = "weight_first"  # (W @ x.T).T; one row doubled to two columns first
+
+PAD_ROWS_TO = 16
+PAD_MIN_OUT_FEATURES = 2048
+WEIGHT_FIRST_MAX_ROWS = 8
+
+
+def linear_form(rows: int, out_features: int, in_features: int) -> str:
+    """The form a CPU float32 linear of ``rows`` rows against a weight [out_features,
+    in_features] runs as.
+
+    >>> linear_form(1, 384, 1024)  # one row: every weight weight-first
+    'weight_first'
+    >>> linear_form(5, 2048, 384), linear_form(5, 384, 1024)  # wide gains, narrow loses
+    ('weight_first', 'plain')
+    >>> linear_form(12, 4096, 384), linear_form(12, 640, 384)  # the 16-row cliff
+    ('padded', 'plain')
+    >>> linear_form(40, 4096, 384)
+    'plain'
+    """
+    if rows == 1 or (rows <= WEIGHT_FIRST_MAX_ROWS and out_features > in_features):
+        return WEIGHT_FIRST
+    if out_features >= PAD_MIN_OUT_FEATURES and PAD_ROWS_TO // 2 < rows < PAD_ROWS_TO:
+        return PADDED
+    return PLAIN
+
+
+def run_form(form: str, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None = None, contiguous_rows: bool = False) -> torch.Tensor:
+    """x [rows, in_features] @ weight [out_features, in_features].T (+ bias) -> [rows,
+    out_features], computed as ``form``; contiguous_rows: copy a weight-first result into
+    rows with stride 1 (for a consumer that needs them: q/k/v, whose K and V a backend's KV
+    write takes as they are)."""
+    rows = x.shape[0]
+    if form == WEIGHT_FIRST:
+        columns = torch.cat([x, x]).t() if rows == 1 else x.t()  # [in, max(rows, 2)]
+        out = (torch.mm(weight, columns) if bias is None
+               else torch.addmm(bias.unsqueeze(1), weight, columns))  # [out, max(rows, 2)]
+        out = out.t()[:1] if rows == 1 else out.t()
+        return out.contiguous() if contiguous_rows else out
+    if form == PADDED:
+        padded = torch.cat([x, x.new_zeros(PAD_ROWS_TO - rows, x.shape[1])])
+        return F.linear(padded, weight, bias)[:rows]
+    return F.linear(x, weight, bias)
+
+
+def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               contiguous_rows: bool = False) -> torch.Tensor:
+    """x [rows, in_features] @ weight [out_features, in_features].T (+ bias) -> [rows,
+    out_features], on the CPU in float32 as ``linear_form`` picks (see the module
+    docstring), elsewhere ``F.linear``."""
+    # is_compiling first: a comparison of the symbolic row count would add a guard.
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 \
+            or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    return run_form(linear_form(x.shape[0], weight.shape[0], weight.shape[1]), x, weight, bias,
+                    contiguous_rows)
