@@ -5,19 +5,19 @@ CPU BLAS (MKL in torch 2.13's CPU wheel) is fastest with for a few rows.
 rows the library's path for that form is slow on the CPUs we measured (AMD EPYC, 1 thread,
 float32), slower than the same product written weight-first, ``(W @ x.T).T``: W is read
 row by row either way, but the weight-first form is a tall matrix times a thin one, which the
-library runs at memory speed. Whole forwards of the built-in target (57 MB of float32
-weights, streaming from memory), interleaved medians in one process:
+library runs at memory speed. Whole engine steps of the built-in pair (57 MB of float32 target
+weights streaming from memory; ``scripts/bench_linear_forms.py``, 1 thread, medians of 6
+interleaved repeats, ms per step, ``F.linear`` everywhere -> this rule):
 
-- 1 row (bs-1 decode): every weight weight-first, the row doubled to two columns first
-  (MKL's one-column path is the slow one: lm_head [4096, 384] 416 -> 246 us): 5.46 -> 4.22
-  ms per step; weight-first only for the wide weights 4.51 ms.
-- 2-8 rows (a bs-1 verify of 1-7 drafts, a bs-8 decode, the head's draft steps): only
-  weights wider than tall (out > in: q/k/v, gate/up, lm_heads) gain; o_proj, down_proj
-  and EAGLE's fc lose (down [384, 1024] at 5 rows 91 -> 97 us). EAGLE-3 k = 4 step at bs 1
-  11.3 -> 9.5 ms; bs-8 decode 8.3 -> 7.3 ms.
-- 9-15 rows against a weight of at least PAD_MIN_OUT_FEATURES rows: padded to 16 rows
-  (below 16 rows the library takes a slower kernel: a 14-token forward 12.5 -> 10.0 ms).
-- 16 rows and more: every form costs the same; ``F.linear``.
+- 1 row (a bs-1 decode): every weight weight-first, the row doubled to two columns first
+  (MKL's one-column path is the slow one): 4.75 -> 3.88.
+- 2-8 rows (a bs-1 verify of 1-7 drafts, bs 2-8 decodes, the head's draft steps): only
+  weights wider than tall (out > in: q/k/v, gate/up, lm_heads) weight-first: decode bs 2
+  6.87 -> 4.98, bs 5 7.46 -> 5.54, bs 8 7.88 -> 6.79; EAGLE-3 k = 4 at bs 1 10.42 -> 8.83.
+  Narrow weights (o_proj, down_proj, EAGLE's fc) weight-first too made those steps slower
+  (5.70, 7.14, 8.55, 11.07), though a loop over one cached weight ranks them otherwise.
+- 9 rows and more: ``F.linear``. (Padding 9-15 rows to 16 against wide weights, which an
+  earlier measurement favoured, lost here by 1-8%: a bs-10 decode 9.49 -> 10.23 ms; removed.)
 
 The weight-first result is the transpose of a contiguous [out, rows] tensor: a view with
 strides (1, rows), which every torch op downstream takes as is; q/k/v ask for a copy with
@@ -36,11 +36,8 @@ import torch
 import torch.nn.functional as F
 
 PLAIN = "plain"  # F.linear(x, W, b)
-PADDED = "padded"  # F.linear on the rows padded to PAD_ROWS_TO, the padding cut off
 WEIGHT_FIRST = "weight_first"  # (W @ x.T).T; one row doubled to two columns first
 
-PAD_ROWS_TO = 16
-PAD_MIN_OUT_FEATURES = 2048
 WEIGHT_FIRST_MAX_ROWS = 8
 
 
@@ -52,15 +49,11 @@ def linear_form(rows: int, out_features: int, in_features: int) -> str:
     'weight_first'
     >>> linear_form(5, 2048, 384), linear_form(5, 384, 1024)  # wide gains, narrow loses
     ('weight_first', 'plain')
-    >>> linear_form(12, 4096, 384), linear_form(12, 640, 384)  # the 16-row cliff
-    ('padded', 'plain')
-    >>> linear_form(40, 4096, 384)
+    >>> linear_form(9, 4096, 384)
     'plain'
     """
     if rows == 1 or (rows <= WEIGHT_FIRST_MAX_ROWS and out_features > in_features):
         return WEIGHT_FIRST
-    if out_features >= PAD_MIN_OUT_FEATURES and PAD_ROWS_TO // 2 < rows < PAD_ROWS_TO:
-        return PADDED
     return PLAIN
 
 
@@ -77,9 +70,6 @@ def run_form(form: str, x: torch.Tensor, weight: torch.Tensor,
                else torch.addmm(bias.unsqueeze(1), weight, columns))  # [out, max(rows, 2)]
         out = out.t()[:1] if rows == 1 else out.t()
         return out.contiguous() if contiguous_rows else out
-    if form == PADDED:
-        padded = torch.cat([x, x.new_zeros(PAD_ROWS_TO - rows, x.shape[1])])
-        return F.linear(padded, weight, bias)[:rows]
     return F.linear(x, weight, bias)
 
 

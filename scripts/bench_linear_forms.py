@@ -1,112 +1,118 @@
-"""Time each CPU matmul form of models/linear_form.py on a model's linear shapes, and say
-where ``linear_form``'s choice is not the fastest on this machine.
+"""Engine steps under models/linear_form.py's rule and under its alternatives, interleaved:
+whether the rule picks the fastest CPU matmul forms on this machine.
 
-For every weight shape of the target (q/k/v fused, o_proj, gate/up fused, down_proj,
-lm_head; from its config.json) and every row count, the forms (``F.linear``; padded to 16
-rows; weight-first) run interleaved over enough copies of the weight that they stream from
-memory as a whole model's weights do (``--stream-mib``, above the last-level cache), and the
-median time per call is printed beside the form the rule picks.
+Per batch size, target-only decode steps (as many rows per linear as requests) and, with
+``--speculative``, EAGLE-3 k = 4 steps (a verify of bs x 5 rows, draft steps of bs rows) run
+with ``linear_form`` replaced by each rule in turn, every repeat starting the batch afresh;
+the median step time per rule is printed. The rules:
 
-    python scripts/bench_linear_forms.py                     # the built-in target, 1 thread
-    python scripts/bench_linear_forms.py --target DIR --threads 4 --rows 1,4,8
+- ``rule``: linear_form as shipped;
+- ``plain``: ``F.linear`` for every shape (torch's own choice);
+- ``weight_first_8``: every weight weight-first up to 8 rows (narrow ones too);
+- ``wide_first_16``: wide weights weight-first up to 15 rows (the rule stops at 8).
 
-It measures this machine's BLAS: the rule was set on an AMD EPYC core (torch 2.13's MKL), and
-another CPU may rank the forms differently. State the thread count with any figure you quote.
+    python scripts/bench_linear_forms.py                          # bs 1, 2, 5, 8, 12; 1 thread
+    python scripts/bench_linear_forms.py --batch-sizes 1,8 --speculative --threads 2
+
+Per-shape loops over one weight are misleading here (a weight that stays in cache, an input
+laid out differently from the model's): on this project's AMD EPYC core such a loop ranked
+weight-first first for down_proj at 2-5 rows, and whole steps ranked it last. Whole steps
+decide. State the thread count with any figure you quote.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from rocdraft import LLM, SamplingParams, SpeculativeConfig
+from rocdraft.bench.corpus import heldout_prompts
 from rocdraft.builtin import builtin_paths
 from rocdraft.models import linear_form as lf
 
-
-def target_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """name -> (out_features, in_features) of each linear of one decoder layer and lm_head."""
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads", heads)
-    head_dim = config.get("head_dim") or hidden // heads
-    inter = config["intermediate_size"]
-    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
-            "gate_up": (2 * inter, hidden), "down": (hidden, inter),
-            "lm_head": (config["vocab_size"], hidden)}
-
-
-def forms_for(rows: int, out_features: int) -> list[str]:
-    padded = out_features >= lf.PAD_MIN_OUT_FEATURES and lf.PAD_ROWS_TO // 2 < rows < lf.PAD_ROWS_TO
-    return [lf.PLAIN, lf.WEIGHT_FIRST] + ([lf.PADDED] if padded else [])
+SHIPPED = lf.linear_form
+RULES = {
+    "rule": SHIPPED,
+    "plain": lambda rows, out_features, in_features: lf.PLAIN,
+    "weight_first_8": lambda rows, out_features, in_features: (
+        lf.WEIGHT_FIRST if rows <= lf.WEIGHT_FIRST_MAX_ROWS
+        else SHIPPED(rows, out_features, in_features)),
+    "wide_first_16": lambda rows, out_features, in_features: (
+        lf.WEIGHT_FIRST if rows < 16 and out_features > in_features
+        else SHIPPED(rows, out_features, in_features)),
+}
 
 
-def time_cell(weights: list[torch.Tensor], rows: int, forms: list[str], repeats: int,
-              calls: int) -> dict[str, float]:
-    """Median microseconds per call of each form, the forms interleaved per repeat."""
-    x = torch.randn(rows, weights[0].shape[1])
-    samples: dict[str, list[float]] = {form: [] for form in forms}
-    for _ in range(repeats):
-        for form in forms:
-            for weight in weights[:2]:
-                lf.run_form(form, x, weight)  # warm the code path
-            start = time.perf_counter()
-            for i in range(calls):
-                lf.run_form(form, x, weights[i % len(weights)])
-            samples[form].append((time.perf_counter() - start) / calls * 1e6)
-    return {form: statistics.median(values) for form, values in samples.items()}
+def step_ms(llm: LLM, prompts: list[str], steps: int, tag: str) -> float:
+    """Mean ms of ``steps`` steps of ``prompts`` as one batch, after their prefill and two
+    warm-up steps; the requests are aborted afterwards."""
+    params = SamplingParams(temperature=0.0, max_tokens=(steps + 3) * 5, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        llm.add_request(request_id, prompt, params)
+    started: set = set()
+    while len(started) < len(ids):
+        started.update(out.request_id for out in llm.step() if out.token_ids)
+    for _ in range(2):
+        llm.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    elapsed = (time.perf_counter() - start) / steps * 1e3
+    for request_id in ids:
+        llm.abort_request(request_id)
+    return elapsed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=builtin_paths().target)
-    parser.add_argument("--rows", default="1,2,3,5,8,9,12,16",
-                        help="comma-separated row counts (default: 1,2,3,5,8,9,12,16)")
+    parser.add_argument("--batch-sizes", default="1,2,5,8,12")
+    parser.add_argument("--speculative", action="store_true",
+                        help="also EAGLE-3 k = 4 steps (the built-in pair's head)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--stream-mib", type=int, default=96,
-                        help="MiB of weight copies per shape, cycled (default 96: above L3)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=40)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per repeat")
     args = parser.parse_args()
     try:
-        rows_list = [int(r) for r in args.rows.split(",")]
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
-        parser.error(f"--rows must be comma-separated integers, got {args.rows!r}")
-    if any(r < 1 for r in rows_list) or min(args.threads, args.stream_mib, args.repeats,
-                                            args.calls) < 1:
-        parser.error("--rows, --threads, --stream-mib, --repeats and --calls must be >= 1")
+        parser.error(f"--batch-sizes must be comma-separated integers, got "
+                     f"{args.batch_sizes!r}")
+    if min(batch_sizes) < 1 or min(args.threads, args.repeats, args.steps) < 1:
+        parser.error("--batch-sizes, --threads, --repeats and --steps must be >= 1")
     torch.set_num_threads(args.threads)
-    config = json.loads((Path(args.target) / "config.json").read_text())
-    results = []
-    for name, (out_features, in_features) in target_shapes(config).items():
-        copies = max(2, args.stream_mib * 2**20 // (out_features * in_features * 4))
-        weights = [torch.randn(out_features, in_features) for _ in range(copies)]
-        for rows in rows_list:
-            times = time_cell(weights, rows, forms_for(rows, out_features), args.repeats,
-                              args.calls)
-            chosen = lf.linear_form(rows, out_features, in_features)
-            best = min(times, key=times.get)
-            results.append(dict(shape=name, out_features=out_features,
-                                in_features=in_features, rows=rows, us=times, chosen=chosen,
-                                best=best, chosen_over_best=times[chosen] / times[best]))
-    if args.json:
-        print(json.dumps(dict(threads=args.threads, results=results), indent=1))
-        return 0
-    print(f"{torch.get_num_threads()} torch thread(s); median us per call "
-          f"(plain / weight_first / padded)")
-    for r in results:
-        cells = " / ".join(f"{r['us'][f]:.0f}" for f in forms_for(r["rows"], r["out_features"]))
-        flag = "" if r["chosen_over_best"] < 1.1 else f"  <- {r['best']} is faster"
-        print(f"{r['shape']:8s} [{r['out_features']}, {r['in_features']}] rows {r['rows']:2d}: "
-              f"{cells}; picks {r['chosen']} ({r['chosen_over_best']:.2f}x the best){flag}")
-    slow = sum(r["chosen_over_best"] >= 1.1 for r in results)
-    print(f"{slow} of {len(results)} cells pick a form at least 10% slower than the best")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    pair = builtin_paths()
+    common = dict(dtype="float32", device="cpu", max_num_seqs=max(batch_sizes))
+    engines = {"target-only": LLM(pair.target, **common)}
+    if args.speculative:
+        engines["eagle3 k=4"] = LLM(pair.target, draft=pair.eagle3, **common,
+                                    speculative_config=SpeculativeConfig(
+                                        "eagle3", 4, draft_policy="fixed"))
+    prompts = heldout_prompts(n=max(batch_sizes), prompt_tokens=96, seed=0,
+                              tokenizer=engines["target-only"].tokenizer)
+    print(f"{torch.get_num_threads()} torch thread(s); median ms per step over "
+          f"{args.repeats} interleaved repeats of {args.steps} steps")
+    try:
+        for name, llm in engines.items():
+            for batch_size in batch_sizes:
+                times: dict[str, list[float]] = {rule: [] for rule in RULES}
+                for repeat in range(args.repeats):
+                    for rule, form in RULES.items():
+                        lf.linear_form = form
+                        times[rule].append(step_ms(llm, prompts[:batch_size], args.steps,
+                                                   f"{rule}-{repeat}"))
+                medians = {rule: statistics.median(v) for rule, v in times.items()}
+                best = min(medians, key=medians.get)
+                print(f"{name} bs {batch_size}: " + ", ".join(
+                    f"{rule} {ms:.2f}" for rule, ms in medians.items())
+                    + f"; fastest {best} (rule {medians['rule'] / medians[best]:.2f}x it)")
+    finally:
+        lf.linear_form = SHIPPED
     return 0
 
 

@@ -27,15 +27,12 @@ def test_worked_examples():
 @example(rows=1, out_features=384, in_features=1024)
 @example(rows=8, out_features=385, in_features=384)
 @example(rows=9, out_features=2048, in_features=384)
-@example(rows=15, out_features=2048, in_features=4096)
 def test_form_rule(rows, out_features, in_features):
     form = lf.linear_form(rows, out_features, in_features)
     if rows == 1:
         assert form == lf.WEIGHT_FIRST
     elif rows <= lf.WEIGHT_FIRST_MAX_ROWS:
         assert form == (lf.WEIGHT_FIRST if out_features > in_features else lf.PLAIN)
-    elif rows < lf.PAD_ROWS_TO and out_features >= lf.PAD_MIN_OUT_FEATURES:
-        assert form == lf.PADDED
     else:
         assert form == lf.PLAIN
 
@@ -79,7 +76,7 @@ def test_every_form_is_f_linear(recorded, rows, out_features, in_features, with_
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     form = lf.linear_form(rows, out_features, in_features)
     expected = {lf.WEIGHT_FIRST: ("mm", 2 if rows == 1 else rows),
-                lf.PADDED: ("linear", lf.PAD_ROWS_TO), lf.PLAIN: ("linear", rows)}[form]
+                lf.PLAIN: ("linear", rows)}[form]
     assert recorded == [expected]
 
 
