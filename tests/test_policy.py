@@ -86,6 +86,12 @@ def test_tree_budget_is_the_configured_one_or_the_full_tree_before_acceptance_is
 
 def test_observe_feeds_the_chain_acceptance_and_the_realized_step_times():
     p = policy()
+    p.observe(record(chain_verified=[4], chain_accepted=[4], produced=5, num_drafts=4,
+                     draft_seconds=0.004))
+    assert p.realized_times.buckets == {}  # no start-up costs yet: nothing to keep it by
+    p = policy()
+    for bucket in (1, 2):  # samples at a bucket's own size are kept as they are
+        p.add_costs(True, bucket, StepCosts(0.01, 0.001, 0.0005, 0.0005, 0.001))
     before = list(p.acceptance.rates)
     p.observe(record(chain_verified=[4], chain_accepted=[4], produced=5, num_drafts=4,
                      draft_seconds=0.004))

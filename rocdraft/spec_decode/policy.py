@@ -249,16 +249,21 @@ class DraftPolicy:
             self.acceptance.update(step.chain_verified, step.chain_accepted)
         if step.tree_rows:
             self.tree_acceptance.observe(step.tree_rows)
-        if self.realized_times is not None and not step.has_prefill:
+        costs = None if self.realized_times is None or step.has_prefill \
+            else self._costs_for(step.batch_size)  # the prior samples are kept relative to
+        if costs is not None:
             self.realized_times.record(step.batch_size, verified_per_request(step),
                                        step.num_drafts, step.seconds - step.draft_seconds,
-                                       step.draft_seconds)
-        if self.chain_times is not None and not step.has_prefill and not step.verified_tree:
+                                       step.draft_seconds, costs)
+        chain_costs = None if self.chain_times is None or step.has_prefill \
+            or step.verified_tree else self._costs_for(step.batch_size, self.chain_step_costs)
+        if chain_costs is not None:
             # A step that verified only chains (a verify sample) and, when it drafted a
             # chain, a draft sample of the count drafted (a tree's drafting is none).
             self.chain_times.record(step.batch_size, verified_per_request(step),
                                     self.chain_drafts, step.seconds - step.draft_seconds,
-                                    step.draft_seconds if step.shape == "chain" else 0.0)
+                                    step.draft_seconds if step.shape == "chain" else 0.0,
+                                    chain_costs)
         if self.shape_chooser is not None:
             # A pure step of one shape (a tree step's sample needs a verified tree: a batch
             # of only the chains another step drafted verifies none).

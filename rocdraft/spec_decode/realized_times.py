@@ -21,6 +21,15 @@ samples). An entry without samples is its prior times the median ratio realized 
 the same part's sampled entries (a start-up measured on a busy machine is scaled back by
 what the run measured); without any sample, the prior itself.
 
+One bucket holds several batch sizes (5-8 requests share bucket 8), and at the end of a
+batch requests finish at different steps, so a count's last samples were often taken at
+5-7 requests; kept as they were, they made that count look cheap for the next full batch
+(on the built-in pair at bs 8: d = 3 estimated at 20.5 ms against 27 measured, so the
+policy drafted 3 where plain decoding was faster). So a sample is kept as the time at the
+bucket's size, its seconds times prior(bucket size) / prior(its batch size) (``prior_times``
+of that part and count; unscaled where the prior is 0), and an estimate at B is scaled back
+by prior(B) / prior(bucket size): the prior gives the shape in B, the run the level.
+
 Decision, per policy step i of a batch bucket: first a sweep, each count k, k - 1, ..., 0
 for two steps (the second verifies what it drafts: a sample of both parts), so that every
 count has realized times before the prior's shape decides anything (on the built-in pair at
@@ -37,7 +46,10 @@ probe costs only the difference between the probed count's rate and the best's.
 Worked example (k = 2, B = 1): realized verify {2: 12 ms} and draft {2: 4 ms}; prior
 StepCosts(10, 1, 0.5, 0.5, 1) ms gives verify 11, 12, 13 and draft 0, 1.5, 3 (``prior_times``):
 ratios 12/13 and 4/3, so T = verify 10.15, 11.08, 12 + draft 0, 2, 4 = 10.15, 13.1, 16 ms.
-Rates [0.8, 0.8]: E = 1, 1.8, 2.44 and E/T = 0.099, 0.138, 0.153 tokens/ms: d = 2.
+Rates [0.8, 0.8]: E = 1, 1.8, 2.44 and E/T = 0.099, 0.138, 0.153 tokens/ms: d = 2. Those
+samples taken at B = 3 instead (bucket 4, prior verify 14, 18, 22 there and 13, 16, 19 at
+B = 3) are kept as 12 x 22 / 19 = 13.9 ms for v = 2 at B = 4, and estimate T(2) at B = 3 as
+12 ms again.
 """
 from __future__ import annotations
 
@@ -93,6 +105,16 @@ def calibrated(samples: dict[int, deque], prior: list[float]) -> list[float]:
     return [measured.get(d, p * scale) for d, p in enumerate(prior)]
 
 
+def rescale(seconds: float, prior_to: float, prior_from: float) -> float:
+    """``seconds`` taken where the prior says ``prior_from``, moved to where it says
+    ``prior_to``; unchanged where either is 0 (a prior without that part).
+
+    >>> rescale(12.0, 22.0, 19.0), rescale(3.0, 0.0, 2.0)
+    (13.894736842105264, 3.0)
+    """
+    return seconds * prior_to / prior_from if prior_to > 0 and prior_from > 0 else seconds
+
+
 def robust_mean(samples) -> float:
     """The mean without the slowest sample once there are 3 (a step slowed by something
     else, a garbage collection or another process, is one-sided noise).
@@ -110,8 +132,8 @@ def robust_mean(samples) -> float:
 class _Bucket:
     steps: int = 0  # policy decisions taken in this bucket
     probes: int = 0
-    verify: dict = field(default_factory=dict)  # v -> deque of seconds
-    draft: dict = field(default_factory=dict)  # d -> deque of seconds
+    verify: dict = field(default_factory=dict)  # v -> deque of seconds at the bucket's size
+    draft: dict = field(default_factory=dict)  # d -> deque of seconds at the bucket's size
 
 
 class RealizedStepTimes:
@@ -129,22 +151,30 @@ class RealizedStepTimes:
         return self.buckets.setdefault(batch_bucket(batch_size), _Bucket())
 
     def record(self, batch_size: int, verified: int | None, drafted: int,
-               verify_seconds: float, draft_seconds: float) -> None:
+               verify_seconds: float, draft_seconds: float, prior: StepCosts) -> None:
         """One pure decode step: ``verified`` drafts per request (None: the requests verified
-        different counts, no verify sample), ``drafted`` per request made."""
+        different counts, no verify sample), ``drafted`` per request made; kept at the
+        bucket's size by ``prior``'s shape (the module docstring)."""
         bucket = self._bucket(batch_size)
+        counts = max(verified or 0, drafted)
+        at_bucket = prior_times(prior, batch_bucket(batch_size), counts)
+        here = prior_times(prior, batch_size, counts)
         if verified is not None and verify_seconds > 0:
-            bucket.verify.setdefault(verified, deque(maxlen=RECENT)).append(verify_seconds)
+            bucket.verify.setdefault(verified, deque(maxlen=RECENT)).append(
+                rescale(verify_seconds, at_bucket[0][verified], here[0][verified]))
         if draft_seconds > 0:
-            bucket.draft.setdefault(drafted, deque(maxlen=RECENT)).append(draft_seconds)
+            bucket.draft.setdefault(drafted, deque(maxlen=RECENT)).append(
+                rescale(draft_seconds, at_bucket[1][drafted], here[1][drafted]))
 
     def step_times(self, batch_size: int, prior: StepCosts, max_drafts: int) -> list[float]:
-        """T(0..max_drafts) in seconds for this batch: realized, calibrated prior where
-        unmeasured."""
+        """T(0..max_drafts) in seconds at this batch size: realized (calibrated prior where
+        unmeasured) at the bucket's size, moved to this size by the prior's shape."""
         bucket = self._bucket(batch_size)
-        verify, draft = prior_times(prior, batch_size, max_drafts)
-        return [v + d for v, d in zip(calibrated(bucket.verify, verify),
-                                      calibrated(bucket.draft, draft))]
+        verify, draft = prior_times(prior, batch_bucket(batch_size), max_drafts)
+        verify_here, draft_here = prior_times(prior, batch_size, max_drafts)
+        return [rescale(v, vh, vb) + rescale(d, dh, db) for v, d, vb, db, vh, dh in zip(
+            calibrated(bucket.verify, verify), calibrated(bucket.draft, draft),
+            verify, draft, verify_here, draft_here)]
 
     def decide(self, batch_size: int, step_times: list[float], rates: list[float]) -> int:
         """The drafts per request of this policy step: the best count, or a probe."""
