@@ -155,7 +155,7 @@ class EagleProposer:
                 target_hidden_states, next_token_ids: torch.Tensor,
                 last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
                 kv_caches: list[LayerKVCache], num_rejected: torch.Tensor | None = None,
-                num_drafts: int | None = None, splice=None) -> torch.Tensor:
+                num_drafts: int | None = None, splice=None, metadata=None) -> torch.Tensor:
         """Chain drafting.
 
         target_token_ids [num_tokens], target_positions [num_tokens] (or [3, num_tokens] for
@@ -165,7 +165,9 @@ class EagleProposer:
         for these tokens, num_rejected [B] (padded path: rejected tokens still in the batch)
         num_drafts: how many drafts to produce this step (default and maximum
         num_speculative_tokens), splice: image embeddings over the head's image-pad rows
-        (models/embed_splice.py; the first forward only)
+        (models/embed_splice.py; the first forward only), metadata: this backend's plan of
+        ``common`` when the caller has it (the target's, built by the same backend class
+        for the same batch: the first forward then plans nothing)
         -> draft token ids [B, num_drafts] int64 (target vocabulary).
         """
         num_drafts = self.num_speculative_tokens if num_drafts is None else num_drafts
@@ -175,7 +177,8 @@ class EagleProposer:
         batch_size = common.num_reqs
         sample_hidden = self.first_forward(target_token_ids, target_positions,
                                            target_hidden_states, next_token_ids,
-                                           last_token_indices, common, kv_caches, splice)
+                                           last_token_indices, common, kv_caches, splice,
+                                           metadata)
         draft_ids = self._greedy(sample_hidden)
         if num_drafts == 1:
             return draft_ids.view(-1, 1)
@@ -203,10 +206,12 @@ class EagleProposer:
     def first_forward(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
                       target_hidden_states, next_token_ids: torch.Tensor,
                       last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
-                      kv_caches: list[LayerKVCache], splice=None) -> torch.Tensor:
+                      kv_caches: list[LayerKVCache], splice=None, metadata=None
+                      ) -> torch.Tensor:
         """The head over every target token of the step (ids shifted by one, the next token
         at each request's last index), written to the draft KV cache at the target's slots
-        -> the head's output at ``last_token_indices`` [B, H]."""
+        -> the head's output at ``last_token_indices`` [B, H]. metadata: this backend's plan
+        of ``common`` when the caller already built it (``propose``), else built here."""
         num_tokens = target_token_ids.shape[0]
         batch_size = common.num_reqs
         if num_tokens > self.max_num_tokens or batch_size > self.max_num_seqs:
@@ -216,7 +221,8 @@ class EagleProposer:
         input_ids = index_math.shift_input_ids(target_token_ids, next_token_ids,
                                                last_token_indices)
         hidden = self.head.combine_hidden_states(target_hidden_states)  # [num_tokens, H]
-        metadata = self.builder.build(common)
+        if metadata is None:
+            metadata = self.builder.build(common)
         extra = {} if splice is None else {"splice": splice}
         hidden = self.head(input_ids, target_positions, hidden, kv_caches, metadata, **extra)
         return hidden[last_token_indices]  # [B, H]
@@ -224,15 +230,18 @@ class EagleProposer:
     def propose_tree(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
                      target_hidden_states, next_token_ids: torch.Tensor,
                      last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
-                     kv_caches: list[LayerKVCache], budget_nodes: int | None = None):
+                     kv_caches: list[LayerKVCache], budget_nodes: int | None = None,
+                     metadata=None):
         """Tree drafting: the inputs of ``propose`` (``common`` without a tree mask; the
         accepted path first in each request's tokens) -> TreeDrafts (tokens, parents and
-        node counts [B], drafter/tree_draft.py). budget_nodes: nodes over the whole batch."""
+        node counts [B], drafter/tree_draft.py). budget_nodes: nodes over the whole batch;
+        metadata: as ``propose``'s."""
         if self.tree_drafter is None:
             raise RocdraftError("propose_tree needs a proposer built with a tree")
         sample_hidden = self.first_forward(target_token_ids, target_positions,
                                            target_hidden_states, next_token_ids,
-                                           last_token_indices, common, kv_caches)
+                                           last_token_indices, common, kv_caches,
+                                           metadata=metadata)
         root_positions = target_positions[last_token_indices]  # [B]
         runner = self.tree_runner
         if runner is not None and runner.accepts(common.num_reqs, common.max_seq_len,

@@ -492,3 +492,42 @@ def test_seeded_outputs_equal_seeded_target_only_under_every_policy(accepting_pa
     expected = [o.token_ids for o in LLM(target).generate(prompts, seeded)]
     llm = LLM(target, draft=head, speculative_config=SpeculativeConfig("eagle3", 3, **policy))
     assert [o.token_ids for o in llm.generate(prompts, seeded)] == expected
+
+
+@pytest.mark.parametrize("draft_backend, padded, shared", [
+    (None, True, True),  # the head runs the target's backend: one plan per step
+    ("TORCH_SDPA", True, False),  # another backend plans its own
+    (None, False, False),  # unpadded drafting drops rejected tokens: another batch
+])
+def test_the_head_reuses_the_targets_attention_plan_of_the_same_batch(
+        accepting_pair, monkeypatch, draft_backend, padded, shared):
+    """The target's plan of the step's batch serves the head's first forward when both run
+    one backend class over that batch; greedy outputs are the same either way."""
+    from rocdraft.config import SpeculativeConfig
+    from rocdraft.engine import LLMEngine
+
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    reference = LLM(accepting_pair[0], attention_backend="CPU_ATTN").generate(SPEC_PROMPTS,
+                                                                              params)
+    engine = LLMEngine(accepting_pair[0], draft=accepting_pair[1],
+                       attention_backend="CPU_ATTN", draft_attention_backend=draft_backend,
+                       speculative_config=SpeculativeConfig(
+                           "eagle3", 3, draft_policy="fixed", padded_drafting=padded))
+    builds = {"target": 0, "draft": 0}
+
+    def counting(name, builder):
+        build = builder.build
+
+        def counted(common):
+            builds[name] += 1
+            return build(common)
+        monkeypatch.setattr(builder, "build", counted)
+
+    counting("target", engine.model_runner.builder)
+    counting("draft", engine.draft_runner.proposer.builder)
+    final, _ = _run_staggered(engine, SPEC_PROMPTS, params, arrivals=[0, 0, 0, 0])
+    steps = engine.stats.num_steps
+    assert [final[i].token_ids for i in range(4)] == [o.token_ids for o in reference]
+    assert engine.stats.acceptance_length > 1.5
+    assert builds["target"] == steps  # one plan per step (plan() then forward())
+    assert (builds["draft"] == 0) == shared and (shared or builds["draft"] >= steps)

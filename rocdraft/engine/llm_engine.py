@@ -232,7 +232,8 @@ class LLMEngine:
         scheduled = scheduler.schedule()
         batch = runner.build_batch(scheduled)
         t1 = runner.clock()
-        out, logits = runner.forward(batch, drafter.aux_layer_ids if drafter else ())
+        plan = runner.plan(batch)  # the step's attention plan, once
+        out, logits = runner.forward(batch, drafter.aux_layer_ids if drafter else (), plan)
         t2 = runner.clock()
         sampled, verified_tree = runner.verify(logits, batch, scheduled)
         t3, w3 = runner.clock(), runner.work_clock()
@@ -240,7 +241,9 @@ class LLMEngine:
         has_prefill = _has_prefill(scheduled)
         drafts, shape = None, None
         if num_drafts or (drafter is not None and has_prefill):
-            drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts)
+            drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts,
+                                          plan if drafter.shares_plan_with(runner.backend)
+                                          else None)
         t4, w4 = runner.clock(), runner.work_clock()
         host = read_step(sampled, drafts, verified_tree, scheduled, policy)
         results = apply_step(scheduler, scheduled, batch, host.sampled, host.drafts, stats,
@@ -254,22 +257,24 @@ class LLMEngine:
                              sampler=t3 - t2, draft=t4 - t3)
         return results.advanced
 
-    def _propose(self, batch, sampled, out, verified_tree, num_drafts: int):
+    def _propose(self, batch, sampled, out, verified_tree, num_drafts: int, target_plan):
         """The next step's drafts -> (ChainDrafts or TreeDrafts, the shape a tree config
         drafted or None): a chain config drafts max(num_drafts, 1) (a prompt-only step
         still runs the head's first forward, which keeps its cache in step with the
-        target's); a tree config the shape and budget its policy picks."""
+        target's); a tree config the shape and budget its policy picks. target_plan: the
+        target's attention plan of ``batch`` for the head to reuse, or None."""
         drafter, policy, batch_size = self.draft_runner, self.policy, len(batch.samples)
         hidden = drafter.head_features(out)
         if self.tree is None:
-            return drafter.propose_chain(batch, sampled, hidden, max(num_drafts, 1)), None
+            return drafter.propose_chain(batch, sampled, hidden, max(num_drafts, 1),
+                                         target_plan=target_plan), None
         shape = policy.shape(batch_size)
         if shape == "chain":
             return drafter.propose_chain(batch, sampled, hidden,
                                          policy.chain_drafts_in_tree_mode(batch_size),
-                                         verified_tree), shape
+                                         verified_tree, target_plan), shape
         return drafter.propose_tree(batch, sampled, hidden, verified_tree,
-                                    policy.tree_budget(batch_size)), shape
+                                    policy.tree_budget(batch_size), target_plan), shape
 
     def _ensure_step_costs(self, scheduler: Scheduler, batch_size: int | None = None) -> None:
         """Measure the step costs the policy still lacks for each batch bucket up to

@@ -180,14 +180,23 @@ class ModelRunner:
         return build_step_batch(scheduled, cfg.max_blocks_per_seq, cfg.block_size,
                                 self.device, self.step_inputs, pad_to=bucket)
 
-    def forward(self, batch: StepBatch, aux_layer_ids: tuple[int, ...] = ()):
+    def plan(self, batch: StepBatch):
+        """The attention metadata the eager target forward runs ``batch`` with (the backend's
+        plan of ``batch.common``), or None for a batch the graph runner replays (its graphs
+        hold their own). Built once per step: the head's first forward reuses it where it
+        runs the same backend over the same batch (DraftRunner.shares_plan_with)."""
+        return None if batch.padded is not None else self.builder.build(batch.common)
+
+    def forward(self, batch: StepBatch, aux_layer_ids: tuple[int, ...] = (), metadata=None):
         """The target forward over ``batch`` (with its image embeddings spliced in, for a
         vision-language target) -> (model output: hidden_states [num_tokens, H] and the
-        inputs of ``aux_layer_ids``, logits [B, max_drafts + 1, V] at the sample positions)."""
+        inputs of ``aux_layer_ids``, logits [B, max_drafts + 1, V] at the sample positions).
+        metadata: ``plan(batch)`` when the caller built it, else built here."""
         if batch.padded is not None:  # a uniform batch: its graph (engine/target_graphs.py)
             out = self.graphs.forward(batch, aux_layer_ids)
         else:
-            metadata = self.builder.build(batch.common)
+            if metadata is None:
+                metadata = self.builder.build(batch.common)
             images = {} if batch.target_splice is None else {"splice": batch.target_splice}
             out = self.target(batch.input_ids, batch.positions, self.kv_caches, metadata,
                               aux_layer_ids=aux_layer_ids, **images)

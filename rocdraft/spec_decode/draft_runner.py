@@ -100,39 +100,55 @@ class DraftRunner:
         return out.aux_hidden_states if self.aux_layer_ids else out.hidden_states
 
     def propose_chain(self, batch: StepBatch, sampled: torch.Tensor, hidden, num_drafts: int,
-                      verified_tree: TreeVerifyResult | None = None) -> ChainDrafts:
+                      verified_tree: TreeVerifyResult | None = None,
+                      target_plan=None) -> ChainDrafts:
         """Chain drafts [B, num_drafts] for every row; num_drafts >= 1 (the first draft
         forward also keeps the head's KV cache in step with the target's). After a tree step
-        (``verified_tree``) the batch is first reordered root + accepted path first."""
+        (``verified_tree``) the batch is first reordered root + accepted path first.
+        target_plan: the target's attention metadata of ``batch.common``, built by this
+        runner's backend class (``shares_plan_with``), or None: the first forward reuses it
+        where it runs over that same batch (``_head_inputs``)."""
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
-        args, rejected, splice = self._head_inputs(batch, sampled, hidden)
+            target_plan = None  # the reordered batch is another batch
+        args, rejected, splice, plan = self._head_inputs(batch, sampled, hidden, target_plan)
         return ChainDrafts(self.proposer.propose(*args, num_rejected=rejected,
-                                                 num_drafts=num_drafts, splice=splice))
+                                                 num_drafts=num_drafts, splice=splice,
+                                                 metadata=plan))
 
     def propose_tree(self, batch: StepBatch, sampled: torch.Tensor, hidden,
-                     verified_tree: TreeVerifyResult | None, budget: int | None) -> TreeDrafts:
+                     verified_tree: TreeVerifyResult | None, budget: int | None,
+                     target_plan=None) -> TreeDrafts:
         """Each row's next tree (``budget``: the batch's node budget, None for full trees).
         After a tree step the batch is first reordered root + accepted path first, which
-        makes the head's first forward the chain's."""
+        makes the head's first forward the chain's. target_plan: as ``propose_chain``'s."""
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
-        args, _, _ = self._head_inputs(batch, sampled, hidden)  # (no trees with images)
-        return self.proposer.propose_tree(*args, budget)
+            target_plan = None
+        args, _, _, plan = self._head_inputs(batch, sampled, hidden, target_plan)
+        return self.proposer.propose_tree(*args, budget, metadata=plan)  # (no trees with images)
 
-    def _head_inputs(self, batch: StepBatch, sampled: torch.Tensor, hidden
-                     ) -> tuple[tuple, torch.Tensor | None, object | None]:
+    def shares_plan_with(self, target_backend: type) -> bool:
+        """Whether the target's attention metadata serves the head's first forward: the same
+        backend class on the same device (its plan depends on the batch and the cache's
+        block size only, and both caches have the scheduler's block size)."""
+        return self.backend is target_backend
+
+    def _head_inputs(self, batch: StepBatch, sampled: torch.Tensor, hidden, target_plan=None
+                     ) -> tuple[tuple, torch.Tensor | None, object | None, object | None]:
         """The head's first-forward inputs -> ((token ids, positions, hidden, next token ids,
-        last token indices, metadata, draft KV caches), num_rejected [B] on the padded path
-        else None, the head's image splice or None). Padded: rejected tokens stay as padding,
-        no host sync; unpadded: they are dropped on the host."""
+        last token indices, common metadata, draft KV caches), num_rejected [B] on the padded
+        path else None, the head's image splice or None, the attention plan to reuse or
+        None). Padded: rejected tokens stay as padding, no host sync, and the first forward
+        runs over ``batch.common`` itself (``target_plan`` reused); unpadded: they are
+        dropped on the host (another batch: planned anew)."""
         proposer = self.proposer
         if self.spec.padded_drafting:
             next_ids, _, indices, rejected = proposer.prepare_padded(
                 sampled, batch.discard_request, batch.backup_next_token_ids, batch.common,
                 batch.num_draft_tokens)
             return (batch.input_ids, batch.positions, hidden, next_ids, indices, batch.common,
-                    self.kv_caches), rejected, batch.head_splice
+                    self.kv_caches), rejected, batch.head_splice, target_plan
         sampled_cpu = sampled.tolist()
         next_ids = proposer.prepare_next_token_ids_cpu(
             sampled_cpu, batch.discard_request.tolist(), batch.backup_next_token_ids.tolist())
@@ -144,7 +160,7 @@ class DraftRunner:
         last = (common.query_start_loc[1:] - 1).long()
         return (batch.input_ids[kept], batch.positions[..., kept], hidden,
                 torch.tensor(next_ids, device=proposer.device), last, common,
-                self.kv_caches), None, batch.head_splice and batch.head_splice.kept(kept)
+                self.kv_caches), None, batch.head_splice and batch.head_splice.kept(kept), None
 
 
 def draft_parts(drafts: ChainDrafts | TreeDrafts | None) -> list[torch.Tensor]:
