@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from rocdraft import LLM, SamplingParams, SpeculativeConfig
+from profile_step import start_batch  # scripts/ is on sys.path when a script runs
+from rocdraft import LLM, SpeculativeConfig
 from rocdraft.bench.corpus import heldout_prompts
 from rocdraft.builtin import builtin_paths
 from rocdraft.models import linear_form as lf
@@ -50,13 +51,7 @@ RULES = {
 def step_ms(llm: LLM, prompts: list[str], steps: int, tag: str) -> float:
     """Mean ms of ``steps`` steps of ``prompts`` as one batch, after their prefill and two
     warm-up steps; the requests are aborted afterwards."""
-    params = SamplingParams(temperature=0.0, max_tokens=(steps + 3) * 5, ignore_eos=True)
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts):
-        llm.add_request(request_id, prompt, params)
-    started: set = set()
-    while len(started) < len(ids):
-        started.update(out.request_id for out in llm.step() if out.token_ids)
+    ids = start_batch(llm, prompts, (steps + 3) * 5, tag)
     for _ in range(2):
         llm.step()
     start = time.perf_counter()

@@ -59,11 +59,11 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-def _start_batch(llm: LLM, prompts: list[str], max_tokens: int) -> list:
-    """``prompts`` added as requests through the step API and stepped past their prefill
-    (maybe chunked) -> their ids."""
+def start_batch(llm: LLM, prompts: list[str], max_tokens: int, tag: str = "profile") -> list:
+    """``prompts`` added as requests ``tag-i`` through the step API and stepped past their
+    prefill (maybe chunked) -> their ids (scripts/bench_linear_forms.py uses it too)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"profile-{i}" for i in range(len(prompts))]
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         llm.add_request(request_id, prompt, params)
     started: set = set()
@@ -91,7 +91,7 @@ def profile_run(llm: LLM, label: str, prompts: list[str], args) -> float:
     step (draft_policy "fixed"), so the profiled step is the k-draft step whatever the cost
     policy would choose."""
     budget = (args.warmup + args.steps + 2) * (args.num_speculative_tokens + 1)
-    ids = _start_batch(llm, prompts, budget)
+    ids = start_batch(llm, prompts, budget)
     for _ in range(args.warmup):
         llm.step()
     before = copy.deepcopy(llm.stats)
