@@ -30,7 +30,7 @@ from torch import nn
 
 from rocdraft.backends.base import AttentionBackend, AttentionImpl
 from rocdraft.backends.kv_cache import LayerKVCache, write_kv_reference
-from rocdraft.models.linear_form import run_linear
+from rocdraft.models.linear_form import note_aliases, run_linear
 from rocdraft.models.rope import RopeTables, apply_rotary_tables
 
 
@@ -94,6 +94,7 @@ def fused_linear_weights(parts: tuple[nn.Linear, ...]
     pointers = tuple((p.weight.data_ptr(), None if p.bias is None else p.bias.data_ptr())
                      for p in parts)
     parts[0].__dict__["_fused"] = (pointers, weight, bias)
+    note_aliases(weight, [p.weight for p in parts])  # a write through a part re-packs it
     return weight, bias
 
 

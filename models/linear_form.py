@@ -1,5 +1,25 @@
-"""Which matmul a CPU linear layer runs as (issue 28): the same product, the kernel torch's
-CPU BLAS (MKL in torch 2.13's CPU wheel) is fastest with for a few rows.
+"""Which matmul a CPU linear layer runs as (issue 28): the same product, the fastest kernel
+this CPU has for it.
+
+oneDNN first. torch 2.13's CPU wheel runs ``F.linear`` through MKL, which on the AMD EPYC
+cores measured here reaches about half the fp32 rate oneDNN does (717-row prefill matmuls at
+~105 GFLOP/s). So where torch has oneDNN (``torch.backends.mkldnn``, the ops
+``mkldnn._reorder_linear_weight`` / ``mkldnn._linear_pointwise`` that inductor's CPU weight
+prepacking uses), each weight is packed once into oneDNN's blocked layout (``packed_weight``:
+kept beside the weight and re-packed when the weight's storage or version changes, so a
+checkpoint load in place is seen) and every CPU float32 linear runs on the packed copy. The
+built-in target's eight layers and lm_head, weights streaming from memory, 1 thread, median
+ms per forward's matmuls (MKL with the forms below -> oneDNN packed): 1 row 2.44 -> 1.73, 5
+rows 4.09 -> 2.13, 8 rows 5.22 -> 2.49, 16 rows 8.59 -> 3.35, 40 rows 14.66 -> 6.03, 717
+rows 196.5 -> 84.6; whole engine steps (``scripts/bench_linear_forms.py``, interleaved,
+BLAS forms -> oneDNN): bs-1 decode 4.18 -> 3.56 ms, bs-8 decode 7.88 -> 5.31, EAGLE-3 k = 4
+at bs 1 10.12 -> 7.82 and at bs 8 26.43 -> 15.78. The cost: a second copy of every weight
+that runs on the CPU (peak resident memory of the README's quickstart 0.77 -> 0.84 GB; the
+original stays: checkpoint loads, state_dict, torch.compile regions and tensor parallelism
+use it). ``ROCDRAFT_CPU_ONEDNN=0`` turns it off (read at the first CPU float32 linear of the
+process); a torch without those ops falls back by itself.
+
+Without oneDNN, torch's BLAS (MKL) and the forms below.
 
 ``F.linear(x, W)`` computes ``x @ W.T`` for x [rows, in] and W [out, in]. For a handful of
 rows the library's path for that form is slow on the CPUs we measured (AMD EPYC, 1 thread,
@@ -32,19 +52,91 @@ measures.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 PLAIN = "plain"  # F.linear(x, W, b)
 WEIGHT_FIRST = "weight_first"  # (W @ x.T).T; one row doubled to two columns first
+ONEDNN = "onednn"  # oneDNN's linear on the weight's packed copy
 
 WEIGHT_FIRST_MAX_ROWS = 8
+# oneDNN's linear costs ~11 us a call whatever its size (MKL's ~2-6 us): a weight under
+# ONEDNN_MIN_WEIGHT elements runs BLAS unless rows x elements reach ONEDNN_MIN_WORK (one
+# row: [256, 256] 14.8 us BLAS, 16.5 oneDNN; [384, 384] 26.4 against 22.0; 8 rows [256, 256]
+# 17.1 against 19.4, [384, 384] 37.3 against 27.8).
+ONEDNN_MIN_WEIGHT = 1 << 17
+ONEDNN_MIN_WORK = 1 << 23
+# The row count oneDNN packs a weight for; a packed weight serves every row count. 8 was as
+# fast as 64 at every row count from 1 to 717 and faster than 1 (which lost at 2-16 rows).
+PACK_FOR_ROWS = 8
+# weight -> ((data_ptr, version), packed copy); by identity, dropped with the weight (a
+# deepcopy of a model does not copy them: oneDNN's packed tensors have no storage to copy)
+_PACKED = WeakIdKeyDictionary()
+# weight -> weakrefs of tensors with version counters of their own that write into its
+# storage: the parts of a fused weight (``note_aliases``)
+_ALIASES = WeakIdKeyDictionary()
+_onednn: bool | None = None  # resolved by the first CPU float32 linear (``onednn_enabled``)
 
 
-def linear_form(rows: int, out_features: int, in_features: int) -> str:
+def onednn_available() -> bool:
+    """Whether this torch runs oneDNN linears on packed weights on the CPU."""
+    ops = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") \
+        and hasattr(ops, "_reorder_linear_weight")
+
+
+def onednn_enabled() -> bool:
+    """oneDNN for CPU float32 linears: available and not switched off by
+    ``ROCDRAFT_CPU_ONEDNN``; decided once per process, at the first call."""
+    global _onednn
+    if _onednn is None:
+        from rocdraft import envs
+
+        _onednn = envs.cpu_onednn_enabled() and onednn_available()
+    return _onednn
+
+
+def note_aliases(weight: torch.Tensor, aliases) -> None:
+    """``aliases``: tensors that write into ``weight``'s storage with version counters of
+    their own (the parts of a fused q/k/v or gate/up weight, whose ``.data`` are its rows:
+    models/layers.py ``fused_linear_weights``). An in-place write through any of them moves
+    ``weight``'s version as ``packed_weight`` reads it."""
+    _ALIASES[weight] = tuple(weakref.ref(a) for a in aliases)
+
+
+def weight_version(weight: torch.Tensor) -> int:
+    """``weight._version`` plus its aliases' (versions only grow: any write moves the sum)."""
+    version = weight._version
+    for ref in _ALIASES.get(weight, ()):
+        alias = ref()
+        if alias is not None:
+            version += alias._version
+    return version
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out_features, in_features] float32 -> its oneDNN-packed copy, kept for the
+    weight and made again when its storage or version changed (a load that copies into it
+    in place, directly or through a fused weight's part, moves its version)."""
+    key = (weight.data_ptr(), weight_version(weight))
+    kept = _PACKED.get(weight)
+    if kept is None or kept[0] != key:
+        kept = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS))
+        _PACKED[weight] = kept
+    return kept[1]
+
+
+def linear_form(rows: int, out_features: int, in_features: int, onednn: bool = False) -> str:
     """The form a CPU float32 linear of ``rows`` rows against a weight [out_features,
-    in_features] runs as.
+    in_features] runs as; ``onednn``: whether oneDNN runs CPU linears (``onednn_enabled``).
 
+    >>> linear_form(5, 384, 1024, onednn=True), linear_form(0, 384, 1024, onednn=True)
+    ('onednn', 'plain')
+    >>> linear_form(8, 256, 256, onednn=True), linear_form(128, 256, 256, onednn=True)
+    ('plain', 'onednn')
     >>> linear_form(1, 384, 1024)  # one row: every weight weight-first
     'weight_first'
     >>> linear_form(5, 2048, 384), linear_form(5, 384, 1024)  # wide gains, narrow loses
@@ -52,6 +144,9 @@ def linear_form(rows: int, out_features: int, in_features: int) -> str:
     >>> linear_form(9, 4096, 384)
     'plain'
     """
+    if onednn and rows > 0 and (out_features * in_features >= ONEDNN_MIN_WEIGHT
+                                or rows * out_features * in_features >= ONEDNN_MIN_WORK):
+        return ONEDNN
     if rows == 1 or (rows <= WEIGHT_FIRST_MAX_ROWS and out_features > in_features):
         return WEIGHT_FIRST
     return PLAIN
@@ -64,6 +159,10 @@ def run_form(form: str, x: torch.Tensor, weight: torch.Tensor,
     rows with stride 1 (for a consumer that needs them: q/k/v, whose K and V a backend's KV
     write takes as they are)."""
     rows = x.shape[0]
+    if form == ONEDNN:  # contiguous [rows, out_features]
+        return torch.ops.mkldnn._linear_pointwise(
+            x if x.is_contiguous() else x.contiguous(), packed_weight(weight), bias, "none",
+            [], "")
     if form == WEIGHT_FIRST:
         columns = torch.cat([x, x]).t() if rows == 1 else x.t()  # [in, max(rows, 2)]
         out = (torch.mm(weight, columns) if bias is None
@@ -82,5 +181,5 @@ def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32 \
             or x.dim() != 2:
         return F.linear(x, weight, bias)
-    return run_form(linear_form(x.shape[0], weight.shape[0], weight.shape[1]), x, weight, bias,
-                    contiguous_rows)
+    return run_form(linear_form(x.shape[0], weight.shape[0], weight.shape[1], onednn_enabled()),
+                    x, weight, bias, contiguous_rows)

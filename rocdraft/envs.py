@@ -9,6 +9,9 @@
 | ``ROCDRAFT_HIP_KERNELS`` | off: never build or load the HIP extension | on |
 | ``ROCDRAFT_FUSED_KERNELS`` | off: GPU forwards of the target run the unfused ops instead of
   the fused Triton kernels (models/fused_layers.py; for A/B runs) | on |
+| ``ROCDRAFT_CPU_ONEDNN`` | off: CPU float32 linears run torch's BLAS forms instead of oneDNN
+  on a packed copy of each weight (models/linear_form.py; read at the first such linear of
+  the process) | on |
 
 Switches accept ``1/true/yes/on`` and ``0/false/no/off`` (any case); unset or empty means the
 default, anything else is a ``RocdraftError`` naming the variable. A backend variable is a
@@ -28,9 +31,11 @@ DRAFT_ATTENTION_BACKEND = "ROCDRAFT_DRAFT_ATTENTION_BACKEND"
 AITER_ASM_LAYOUT = "ROCDRAFT_AITER_ASM_LAYOUT"
 HIP_KERNELS = "ROCDRAFT_HIP_KERNELS"
 FUSED_KERNELS = "ROCDRAFT_FUSED_KERNELS"
+CPU_ONEDNN = "ROCDRAFT_CPU_ONEDNN"
 TRUE_VALUES = ("1", "true", "yes", "on")
 FALSE_VALUES = ("0", "false", "no", "off")
-_SWITCH_DEFAULTS = {AITER_ASM_LAYOUT: False, HIP_KERNELS: True, FUSED_KERNELS: True}
+_SWITCH_DEFAULTS = {AITER_ASM_LAYOUT: False, HIP_KERNELS: True, FUSED_KERNELS: True,
+                    CPU_ONEDNN: True}
 
 
 def attention_backend() -> str | None:
@@ -79,6 +84,10 @@ def hip_kernels_enabled() -> bool:
 
 def fused_kernels_enabled() -> bool:
     return _switch(FUSED_KERNELS)
+
+
+def cpu_onednn_enabled() -> bool:
+    return _switch(CPU_ONEDNN)
 
 
 def check_switches() -> None:

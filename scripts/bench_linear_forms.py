@@ -6,10 +6,11 @@ Per batch size, target-only decode steps (as many rows per linear as requests) a
 with ``linear_form`` replaced by each rule in turn, every repeat starting the batch afresh;
 the median step time per rule is printed. The rules:
 
-- ``rule``: linear_form as shipped;
+- ``rule``: linear_form as shipped (oneDNN on packed weights where torch has it and
+  ``ROCDRAFT_CPU_ONEDNN`` is not off, else the BLAS forms);
+- ``blas``: the BLAS forms (weight-first for 1 row, and for 2-8 rows of wide weights);
 - ``plain``: ``F.linear`` for every shape (torch's own choice);
-- ``weight_first_8``: every weight weight-first up to 8 rows (narrow ones too);
-- ``wide_first_16``: wide weights weight-first up to 15 rows (the rule stops at 8).
+- ``weight_first_8``: every weight weight-first up to 8 rows (narrow ones too).
 
     python scripts/bench_linear_forms.py                          # bs 1, 2, 5, 8, 12; 1 thread
     python scripts/bench_linear_forms.py --batch-sizes 1,8 --speculative --threads 2
@@ -36,14 +37,13 @@ from rocdraft.builtin import builtin_paths
 from rocdraft.models import linear_form as lf
 
 SHIPPED = lf.linear_form
-RULES = {
+RULES = {  # (rows, out_features, in_features, onednn) -> form, as lf.linear_form
     "rule": SHIPPED,
-    "plain": lambda rows, out_features, in_features: lf.PLAIN,
-    "weight_first_8": lambda rows, out_features, in_features: (
+    "blas": lambda rows, out_features, in_features, onednn=False: SHIPPED(
+        rows, out_features, in_features),
+    "plain": lambda rows, out_features, in_features, onednn=False: lf.PLAIN,
+    "weight_first_8": lambda rows, out_features, in_features, onednn=False: (
         lf.WEIGHT_FIRST if rows <= lf.WEIGHT_FIRST_MAX_ROWS
-        else SHIPPED(rows, out_features, in_features)),
-    "wide_first_16": lambda rows, out_features, in_features: (
-        lf.WEIGHT_FIRST if rows < 16 and out_features > in_features
         else SHIPPED(rows, out_features, in_features)),
 }
 

@@ -39,9 +39,12 @@ def test_every_rule_runs_and_the_shipped_rule_is_restored(bench, monkeypatch, ca
 def test_each_alternative_rule_differs_from_the_shipped_one_somewhere(bench):
     shapes = [(rows, out, inp) for rows in (1, 2, 5, 8, 12) for out, inp in
               ((640, 384), (384, 1024), (2048, 384))]
-    for name, rule in bench.RULES.items():
-        differs = any(rule(*s) != lf.linear_form(*s) for s in shapes)
-        assert differs == (name != "rule"), name
+    for onednn in (False, True):
+        for name, rule in bench.RULES.items():
+            differs = any(rule(*s, onednn) != lf.linear_form(*s, onednn) for s in shapes)
+            # without oneDNN the shipped rule is the BLAS forms
+            assert differs == (name not in ("rule", "blas") or (name == "blas" and onednn)), \
+                (name, onednn)
 
 
 @pytest.mark.parametrize("flags, fragment", [
