@@ -73,15 +73,19 @@ def start_batch(llm: LLM, prompts: list[str], max_tokens: int, tag: str = "profi
 
 
 def weight_bytes(events, itemsize: int) -> int:
-    """Bytes of the weight of every profiled mm / addmm: the larger of its two matrix
-    operands (a step's matmuls have fewer rows than any weight has; the CPU runs some weight
-    first, models/linear_form.py)."""
+    """Bytes of the weight of every profiled matmul: of an mm / addmm the larger of its two
+    matrix operands (a step's matmuls have fewer rows than any weight has; the CPU runs some
+    weight first), of oneDNN's linear its (packed) weight (models/linear_form.py)."""
     total = 0
     for e in events:
-        if e.name in ("aten::mm", "aten::addmm") and e.input_shapes:
+        if not e.input_shapes:
+            continue
+        if e.name in ("aten::mm", "aten::addmm"):
             operands = e.input_shapes[-2:]
             if all(len(shape) == 2 for shape in operands):
                 total += max(a * b for a, b in operands) * itemsize
+        elif e.name == "mkldnn::_linear_pointwise" and len(e.input_shapes[1]) == 2:
+            total += e.input_shapes[1][0] * e.input_shapes[1][1] * itemsize
     return total
 
 
