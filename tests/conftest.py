@@ -75,3 +75,27 @@ def matrix_backends() -> list[str]:
 def attention_backend(request) -> str:
     """Name of one attention backend of the matrix."""
     return request.param
+
+
+SCRIPTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "scripts")
+
+
+@pytest.fixture()
+def import_script(monkeypatch):
+    """``import_script(name)`` -> the module ``scripts/<name>.py``, imported with scripts/ on
+    sys.path for this test only (as running the script puts it there); dropped from
+    sys.modules afterwards, so each test imports it afresh."""
+    import importlib
+    import sys
+
+    imported = []
+
+    def load(name: str):
+        monkeypatch.syspath_prepend(SCRIPTS_DIR)
+        imported.append(name)
+        return importlib.import_module(name)
+
+    yield load
+    for name in imported:
+        sys.modules.pop(name, None)

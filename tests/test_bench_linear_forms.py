@@ -16,11 +16,8 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 @pytest.fixture()
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    import bench_linear_forms
-    yield bench_linear_forms
-    sys.modules.pop("bench_linear_forms", None)
+def bench(import_script):
+    return import_script("bench_linear_forms")
 
 
 def test_every_rule_runs_and_the_shipped_rule_is_restored(bench, monkeypatch, capsys):

@@ -12,21 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
 @pytest.fixture()
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    import bench_shapes
-    yield bench_shapes
-    sys.modules.pop("bench_shapes", None)
+def bench(import_script):
+    return import_script("bench_shapes")
 
 
 def test_tiny_shape_on_cpu_reports_every_field(bench, tmp_path, capsys):
