@@ -107,11 +107,11 @@ class DraftRunner:
         (``verified_tree``) the batch is first reordered root + accepted path first.
         target_plan: the target's attention metadata of ``batch.common``, built by this
         runner's backend class (``shares_plan_with``), or None: the first forward reuses it
-        where it runs over that same batch (``_head_inputs``)."""
+        where it runs over that same batch (``_plan_to_reuse``)."""
+        plan = self._plan_to_reuse(target_plan, verified_tree)
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
-            target_plan = None  # the reordered batch is another batch
-        args, rejected, splice, plan = self._head_inputs(batch, sampled, hidden, target_plan)
+        args, rejected, splice = self._head_inputs(batch, sampled, hidden)
         return ChainDrafts(self.proposer.propose(*args, num_rejected=rejected,
                                                  num_drafts=num_drafts, splice=splice,
                                                  metadata=plan))
@@ -122,11 +122,11 @@ class DraftRunner:
         """Each row's next tree (``budget``: the batch's node budget, None for full trees).
         After a tree step the batch is first reordered root + accepted path first, which
         makes the head's first forward the chain's. target_plan: as ``propose_chain``'s."""
+        plan = self._plan_to_reuse(target_plan, verified_tree)
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
-            target_plan = None
-        args, _, _, plan = self._head_inputs(batch, sampled, hidden, target_plan)
-        return self.proposer.propose_tree(*args, budget, metadata=plan)  # (no trees with images)
+        args, _, _ = self._head_inputs(batch, sampled, hidden)  # (no trees with images)
+        return self.proposer.propose_tree(*args, budget, metadata=plan)
 
     def shares_plan_with(self, target_backend: type) -> bool:
         """Whether the target's attention metadata serves the head's first forward: the same
@@ -134,21 +134,27 @@ class DraftRunner:
         block size only, and both caches have the scheduler's block size)."""
         return self.backend is target_backend
 
-    def _head_inputs(self, batch: StepBatch, sampled: torch.Tensor, hidden, target_plan=None
-                     ) -> tuple[tuple, torch.Tensor | None, object | None, object | None]:
+    def _plan_to_reuse(self, target_plan, verified_tree: TreeVerifyResult | None):
+        """``target_plan`` where the first forward runs over ``batch.common`` itself: padded
+        drafting (rejected tokens stay as padding) on a batch not reordered after a tree;
+        else None (another batch: planned anew)."""
+        if verified_tree is not None or not self.spec.padded_drafting:
+            return None
+        return target_plan
+
+    def _head_inputs(self, batch: StepBatch, sampled: torch.Tensor, hidden
+                     ) -> tuple[tuple, torch.Tensor | None, object | None]:
         """The head's first-forward inputs -> ((token ids, positions, hidden, next token ids,
-        last token indices, common metadata, draft KV caches), num_rejected [B] on the padded
-        path else None, the head's image splice or None, the attention plan to reuse or
-        None). Padded: rejected tokens stay as padding, no host sync, and the first forward
-        runs over ``batch.common`` itself (``target_plan`` reused); unpadded: they are
-        dropped on the host (another batch: planned anew)."""
+        last token indices, metadata, draft KV caches), num_rejected [B] on the padded path
+        else None, the head's image splice or None). Padded: rejected tokens stay as padding,
+        no host sync; unpadded: they are dropped on the host."""
         proposer = self.proposer
         if self.spec.padded_drafting:
             next_ids, _, indices, rejected = proposer.prepare_padded(
                 sampled, batch.discard_request, batch.backup_next_token_ids, batch.common,
                 batch.num_draft_tokens)
             return (batch.input_ids, batch.positions, hidden, next_ids, indices, batch.common,
-                    self.kv_caches), rejected, batch.head_splice, target_plan
+                    self.kv_caches), rejected, batch.head_splice
         sampled_cpu = sampled.tolist()
         next_ids = proposer.prepare_next_token_ids_cpu(
             sampled_cpu, batch.discard_request.tolist(), batch.backup_next_token_ids.tolist())
@@ -160,7 +166,7 @@ class DraftRunner:
         last = (common.query_start_loc[1:] - 1).long()
         return (batch.input_ids[kept], batch.positions[..., kept], hidden,
                 torch.tensor(next_ids, device=proposer.device), last, common,
-                self.kv_caches), None, batch.head_splice and batch.head_splice.kept(kept), None
+                self.kv_caches), None, batch.head_splice and batch.head_splice.kept(kept)
 
 
 def draft_parts(drafts: ChainDrafts | TreeDrafts | None) -> list[torch.Tensor]:

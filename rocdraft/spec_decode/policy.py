@@ -250,7 +250,7 @@ class DraftPolicy:
         if step.tree_rows:
             self.tree_acceptance.observe(step.tree_rows)
         costs = None if self.realized_times is None or step.has_prefill \
-            else self._costs_for(step.batch_size)  # the prior samples are kept relative to
+            else self._costs_for(step.batch_size)  # samples are kept by this prior's shape
         if costs is not None:
             self.realized_times.record(step.batch_size, verified_per_request(step),
                                        step.num_drafts, step.seconds - step.draft_seconds,
