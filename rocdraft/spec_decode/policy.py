@@ -5,7 +5,8 @@ The engine asks, before it drafts:
 - ``num_drafts(batch_size)``: drafts per request a chain config makes now (the cap
   ``drafts_per_request``, or under ``draft_policy="cost"`` the count maximising expected
   tokens per second on the step times the engine realized, start-up costs only their prior,
-  with a probe of another count every 64th step, rocdraft/spec_decode/realized_times.py;
+  with probes of the other counts priced by what they cost, rocdraft/spec_decode/
+  realized_times.py;
   with given ``draft_costs`` on those costs alone); a tree config answers its node count
   (the tree's own shape decides);
 - ``shape(batch_size)``: "tree" or "chain" for a tree config (rocdraft/spec_decode/
@@ -142,7 +143,7 @@ class DraftPolicy:
     def chain_drafts_in_tree_mode(self, batch_size: int) -> int:
         """Drafts of the chain a tree config drafts now: 1 .. min(k, depth), decided as a
         chain config's cost policy decides (the sweep, then the best count on the realized
-        times of this config's chain steps, a probe every PROBE_EVERY-th), so a chain step
+        times of this config's chain steps, and its priced probes), so a chain step
         here costs and yields what the chain config's step does. The cap until costs are
         measured."""
         costs = self._costs_for(batch_size, self.chain_step_costs)

@@ -33,15 +33,25 @@ by prior(B) / prior(bucket size): the prior gives the shape in B, the run the le
 Decision, per policy step i of a batch bucket: first a sweep, each count k, k - 1, ..., 0
 for two steps (the second verifies what it drafts: a sample of both parts), so that every
 count has realized times before the prior's shape decides anything (on the built-in pair at
-bs 8 the start-up shape kept d = 4 where d = 1 ran 1.2x faster: a bench run has only about
-130 steps there, two probes); then ``best_num_drafts`` on those times and the
-acceptance rates, except every ``PROBE_EVERY``-th step (i % PROBE_EVERY == PROBE_EVERY - 1),
-which drafts one other count (``probe_count``: the runner-up, or the next of k, ..., 0): a
-probe refreshes
-that count's draft time now and its verify time next step, and a probe of d >= 1 feeds the
-acceptance of positions the best count does not verify (a useless head at d = 0 is switched
-back on once probes see its drafts accepted). Probes are 1/64 of the steps (1.6%), and a
-probe costs only the difference between the probed count's rate and the best's.
+bs 8 the start-up shape kept d = 4 where d = 1 ran 1.2x faster); then ``best_num_drafts`` on
+those times and the acceptance rates, except when another count is due for a probe
+(``due_probe``). A probe drafts that count for one step: it refreshes the count's draft time
+now and its verify time next step, and a probe of d >= 1 feeds the acceptance of positions
+the best count does not verify (a useless head at d = 0 is switched back on once probes see
+its drafts accepted).
+
+Probes are priced by what they cost: a probe of d costs ``probe_cost`` = T(d) / T(best) -
+E(d) / E(best) of the best count's steps (the time it takes less the time the best count
+needs for the same tokens), and d is due ``probe_interval`` = cost / PROBE_BUDGET steps after
+it was last drafted (at least MIN_PROBE_INTERVAL), so each other count costs at most
+PROBE_BUDGET of the throughput and all k of them together under 2%. Counts close to
+the best, whose estimates decide the choice, are re-measured often and cheaply; far ones
+rarely. Why: a count's first samples come from the sweep, at the first steps of the engine's
+life (cold caches, first-touch pages of the KV cache); on the built-in pair at bs 8 they put
+d = 1 at 9.6 ms where it runs 8.3, and with one probe every 64 steps the policy drafted
+d = 4 (1.61 tokens per ms) instead of d = 1 (1.71) for the whole run. A stale estimate that
+is too low corrects itself (the count is chosen, so sampled every step); one that is too
+high only by probes.
 
 Worked example (k = 2, B = 1): realized verify {2: 12 ms} and draft {2: 4 ms}; prior
 StepCosts(10, 1, 0.5, 0.5, 1) ms gives verify 11, 12, 13 and draft 0, 1.5, 3 (``prior_times``):
@@ -60,7 +70,8 @@ from dataclasses import dataclass, field
 from rocdraft.spec_decode.cost_model import StepCosts, batch_bucket, expected_tokens
 
 RECENT = 8  # samples kept per entry
-PROBE_EVERY = 64  # policy steps per probe of another draft count (1.6% of steps)
+PROBE_BUDGET = 0.0025  # share of throughput one other count's probes may cost
+MIN_PROBE_INTERVAL = 16  # policy steps between probes of one count, at least
 
 
 def best_num_drafts(step_times: list[float], rates: list[float], min_drafts: int = 0) -> int:
@@ -132,6 +143,7 @@ def robust_mean(samples) -> float:
 class _Bucket:
     steps: int = 0  # policy decisions taken in this bucket
     probes: int = 0
+    last: dict = field(default_factory=dict)  # d -> the policy step that last drafted it
     verify: dict = field(default_factory=dict)  # v -> deque of seconds at the bucket's size
     draft: dict = field(default_factory=dict)  # d -> deque of seconds at the bucket's size
 
@@ -177,31 +189,60 @@ class RealizedStepTimes:
             verify, draft, verify_here, draft_here)]
 
     def decide(self, batch_size: int, step_times: list[float], rates: list[float]) -> int:
-        """The drafts per request of this policy step: the best count, or a probe."""
+        """The drafts per request of this policy step: the sweep, then the best count or
+        a due probe (the module docstring)."""
         bucket = self._bucket(batch_size)
         i = bucket.steps
         bucket.steps += 1
         counts = len(step_times) - self.min_drafts
         if self.sweep and i < 2 * counts:  # the sweep: k, k, k - 1, ..., min, min
-            return len(step_times) - 1 - i // 2
-        best = best_num_drafts(step_times, rates, self.min_drafts)
-        if i % PROBE_EVERY != PROBE_EVERY - 1 or counts < 2:
-            return best
-        bucket.probes += 1
-        return probe_count(step_times, rates, best, bucket.probes - 1, self.min_drafts)
+            choice = len(step_times) - 1 - i // 2
+        else:
+            best = best_num_drafts(step_times, rates, self.min_drafts)
+            since = {d: i - bucket.last.get(d, -1)  # never drafted: as if at step -1
+                     for d in range(self.min_drafts, len(step_times))}
+            probe = due_probe(step_times, rates, best, since, self.min_drafts)
+            choice = best if probe is None else probe
+            bucket.probes += probe is not None
+        bucket.last[choice] = i
+        return choice
 
 
-def probe_count(step_times: list[float], rates: list[float], best: int, probe: int,
-                min_drafts: int = 0) -> int:
-    """The count the ``probe``-th probe drafts: every even probe the runner-up (the count
-    whose estimate decides whether the best stays best), every odd one the next of k,
-    k - 1, ..., ``min_drafts`` without the best (every count, and the acceptance of every
-    position, is re-measured now and then).
+def probe_interval(cost: float) -> int:
+    """Policy steps between probes of a count whose probe costs ``cost`` steps of the best
+    count (``probe_cost``): cost / PROBE_BUDGET, at least MIN_PROBE_INTERVAL.
 
-    >>> [probe_count([10.0, 12.0, 14.0], [0.8, 0.8], 2, p) for p in range(4)]  # E/T 0.1 0.15
-    [1, 1, 1, 0]
+    >>> probe_interval(0.0), probe_interval(0.1), probe_interval(1.6)
+    (16, 40, 640)
     """
-    others = [d for d in range(len(step_times) - 1, min_drafts - 1, -1) if d != best]
-    if probe % 2 == 0:
-        return max(others, key=lambda d: expected_tokens(rates, d) / step_times[d])
-    return others[(probe // 2) % len(others)]
+    return max(round(cost / PROBE_BUDGET), MIN_PROBE_INTERVAL)
+
+
+def probe_cost(step_times: list[float], rates: list[float], best: int, d: int) -> float:
+    """What drafting ``d`` once instead of ``best`` costs, in steps of ``best``: its step
+    (the draft part now, the verify part next step) takes T(d) where the best would have
+    made the same E(d) tokens in E(d) / E(best) of its steps.
+
+    >>> round(probe_cost([10.0, 12.0, 14.0], [0.8, 0.8], 2, 0), 3)  # 10/14 - 1/2.44
+    0.304
+    """
+    return max(step_times[d] / step_times[best]
+               - expected_tokens(rates, d) / expected_tokens(rates, best), 0.0)
+
+
+def due_probe(step_times: list[float], rates: list[float], best: int, since: dict[int, int],
+              min_drafts: int = 0) -> int | None:
+    """The count to probe now, or None: of the counts other than ``best`` drafted at least
+    ``probe_interval(probe_cost)`` policy steps ago (``since[d]``), the cheapest to probe
+    (the closest to the best: its estimate is the likeliest to change the choice).
+
+    >>> # probes of 0 and 1 cost 0.30 and 0.12 steps of d = 2: due after 122 and 48 steps
+    >>> due_probe([10.0, 12.0, 14.0], [0.8, 0.8], 2, {0: 130, 1: 50, 2: 0})
+    1
+    >>> due_probe([10.0, 12.0, 14.0], [0.8, 0.8], 2, {0: 100, 1: 40, 2: 0}) is None
+    True
+    """
+    costs = {d: probe_cost(step_times, rates, best, d)
+             for d in range(min_drafts, len(step_times)) if d != best}
+    due = [d for d, cost in costs.items() if since[d] >= probe_interval(cost)]
+    return min(due, key=lambda d: (costs[d], d)) if due else None
