@@ -459,8 +459,8 @@ def test_cost_policy_with_given_costs_follows_acceptance_as_it_drifts(accepting_
     chosen, useless = [], range(40, 200)  # policy steps whose drafts are wrong
     num_drafts, propose = llm.policy.num_drafts, llm.draft_runner.propose_chain
 
-    def recording(batch_size):
-        chosen.append(num_drafts(batch_size))
+    def recording(batch_size, outlook=None):
+        chosen.append(num_drafts(batch_size, outlook))
         return chosen[-1]
 
     def maybe_wrong(*args, **kwargs):
@@ -476,6 +476,35 @@ def test_cost_policy_with_given_costs_follows_acceptance_as_it_drifts(accepting_
     assert good.count(3) / len(good) > 0.9, good
     assert bad.count(0) / len(bad) > 0.9, bad
     assert again.count(3) / len(again) > 0.9, again
+
+
+def test_the_cost_policy_reads_the_batch_outlook_when_the_batch_is_all_the_work(
+        accepting_pair):
+    """generate() with EOS ignored: every decision sees the batch's requests and the tokens
+    each has left (no request waits), which shrink as they are produced; with EOS honoured
+    it sees none. Greedy outputs equal target-only's, and drafts are accepted."""
+    from rocdraft.config import SpeculativeConfig
+
+    target, head = accepting_pair
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reference = [o.token_ids for o in LLM(target).generate(SPEC_PROMPTS, params)]
+    llm = LLM(target, draft=head, speculative_config=SpeculativeConfig(
+        "eagle3", 3, draft_costs=(1.0, 0.1, 0.0, 0.0, 0.1)))
+    seen, num_drafts = [], llm.policy.num_drafts
+
+    def recording(batch_size, outlook=None):
+        seen.append((batch_size, outlook))
+        return num_drafts(batch_size, outlook)
+
+    llm.policy.num_drafts = recording
+    assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, params)] == reference
+    assert llm.last_stats.acceptance_length > 1.5
+    assert all(o is not None and len(o.keys) == len(o.remaining) == b for b, o in seen)
+    left = [max(o.remaining) for _, o in seen]
+    assert left[0] <= 24 and left == sorted(left, reverse=True) and left[-1] < left[0]
+    seen.clear()
+    llm.generate(SPEC_PROMPTS, SamplingParams(temperature=0.0, max_tokens=8))
+    assert seen and all(o is None for _, o in seen)
 
 
 @pytest.mark.parametrize("policy", [dict(draft_policy="fixed"), dict(),

@@ -9,7 +9,7 @@ from rocdraft.config import SamplingParams, SchedulerConfig
 from rocdraft.core.request import Request
 from rocdraft.core.scheduler import Scheduler
 from rocdraft.core.step_batch import build_step_batch
-from rocdraft.engine.request_updates import apply_step
+from rocdraft.engine.request_updates import apply_step, batch_outlook
 from rocdraft.outputs import GenerationStats
 
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=12,
@@ -43,6 +43,7 @@ def test_chain_drafts_are_verified_appended_and_stored_within_the_context():
     assert [(r.request_id, tokens) for r, tokens in results.advanced] == \
         [(0, [11, 12, 21]), (1, [22])]
     assert (results.chain_verified, results.chain_accepted) == ([2, 2], [2, 0])
+    assert results.chain_keys == [0, 1]
     assert results.tree_rows == []
     assert a.output_token_ids == [7, 11, 12, 21] and b.output_token_ids == [8, 22]
     assert a.spec_token_ids == [30, 31]
@@ -102,3 +103,24 @@ def test_read_together_splits_one_read_back_into_its_parts():
     assert read_together([sampled, drafts]) == [[[4, -1], [7, 8]], [[1, 2, 3], [5, 6, 9]]]
     assert read_together([sampled]) == [[[4, -1], [7, 8]]]
     assert read_together([torch.tensor([[1, 2]]), torch.tensor([[3]])]) == [[[1, 2]], [[3]]]
+
+
+def test_batch_outlook_only_when_the_batch_is_all_the_work_and_its_ends_are_known():
+    """Tokens left: max_tokens (20) less the output so far, or the context left (12 tokens
+    in all), whichever is less; None once a request waits, or a request may stop at EOS or
+    a stop token."""
+    scheduler, (a, b) = _prefilled([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]])
+    scheduled = scheduler.schedule()
+    outlook = batch_outlook(scheduled, scheduler, CONFIG.max_model_len)
+    assert outlook.keys == (0, 1)
+    assert outlook.remaining == (12 - 4, 12 - 8)  # the context binds before max_tokens
+    assert batch_outlook(scheduled, scheduler, 100).remaining == (19, 19)
+    scheduler.add(Request(2, [1, 2], PARAMS))  # one waits: finished slots get refilled
+    assert batch_outlook(scheduled, scheduler, 100) is None
+    for params in (SamplingParams(temperature=0.0, max_tokens=20),
+                   SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                  stop_token_ids=(5,))):
+        scheduler, _ = _prefilled([[1, 2, 3], [4, 5, 6]])
+        scheduled = scheduler.schedule()
+        scheduled[1].request.params = params
+        assert batch_outlook(scheduled, scheduler, 100) is None

@@ -27,7 +27,7 @@ from rocdraft.drafter.tree_spec import draft_lookahead
 from rocdraft.engine.args import EngineArgs
 from rocdraft.engine.loading import load_draft_runner
 from rocdraft.engine.model_runner import ModelRunner
-from rocdraft.engine.request_updates import apply_step, read_step, step_record
+from rocdraft.engine.request_updates import apply_step, batch_outlook, read_step, step_record
 from rocdraft.errors import RocdraftError
 from rocdraft.outputs import GenerationStats, RequestOutput
 from rocdraft.spec_decode.cost_model import batch_bucket
@@ -237,7 +237,9 @@ class LLMEngine:
         t2 = runner.clock()
         sampled, verified_tree = runner.verify(logits, batch, scheduled)
         t3, w3 = runner.clock(), runner.work_clock()
-        num_drafts = policy.num_drafts(len(scheduled)) if policy is not None else 0
+        num_drafts = 0 if policy is None else policy.num_drafts(
+            len(scheduled), batch_outlook(scheduled, scheduler, self.max_model_len)
+            if policy.wants_outlook else None)
         has_prefill = _has_prefill(scheduled)
         drafts, shape = None, None
         if num_drafts or (drafter is not None and has_prefill):

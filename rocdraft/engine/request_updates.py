@@ -14,6 +14,7 @@ from rocdraft.core.step_batch import StepBatch
 from rocdraft.drafter.tree_index import host_depths
 from rocdraft.outputs import GenerationStats
 from rocdraft.sample.tree_sampler import TreeVerifyResult
+from rocdraft.spec_decode.batch_finish import BatchOutlook
 from rocdraft.spec_decode.draft_runner import draft_parts, drafts_from_rows
 from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
 
@@ -74,6 +75,7 @@ class StepResults:
     verified a scored tree, (its nodes' scores, its accepted path)."""
 
     advanced: list[tuple[Request, list[int]]] = field(default_factory=list)
+    chain_keys: list = field(default_factory=list)  # the request ids of chain_verified
     chain_verified: list[int] = field(default_factory=list)
     chain_accepted: list[int] = field(default_factory=list)
     tree_rows: list[tuple[list[float], list[int]]] = field(default_factory=list)
@@ -106,6 +108,7 @@ def apply_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], batch: S
             req.num_verify_steps += 1
             req.num_accepted_drafts += num_accepted
             if not req.spec_parents:  # a chain (also in tree mode): chain acceptance
+                results.chain_keys.append(req.request_id)
                 results.chain_verified.append(item.num_draft_tokens)
                 results.chain_accepted.append(num_accepted)
             if req.spec_scores:  # stored only for the cost-based tree budget
@@ -145,4 +148,26 @@ def step_record(scheduled: list[ScheduledRequest], batch: StepBatch, host: HostS
         shape=shape, verified_tree=batch.draft_parents is not None,
         samples=batch.samples, chain_verified=results.chain_verified,
         chain_accepted=results.chain_accepted, tree_rows=results.tree_rows,
-        tree_parents=host.tree_parents, tree_paths=host.tree_paths)
+        tree_parents=host.tree_parents, tree_paths=host.tree_paths,
+        chain_keys=results.chain_keys,
+        finished_keys=[req.request_id for req, _ in results.advanced if req.is_finished])
+
+
+def batch_outlook(scheduled: list[ScheduledRequest], scheduler: Scheduler,
+                  max_model_len: int) -> BatchOutlook | None:
+    """The batch's keys and tokens left per request when the batch is all the work left
+    (no request waits) and every request ends at a known length (EOS ignored, no stop
+    token): the draft policy then finishes the batch soonest (rocdraft/spec_decode/
+    batch_finish.py). Otherwise None. Tokens left: max_tokens (or max_model_len) less the
+    tokens the request has before this step's."""
+    if scheduler.waiting:
+        return None
+    keys, remaining = [], []
+    for item in scheduled:
+        req = item.request
+        if not req.params.ignore_eos or req.params.stop_token_ids:
+            return None
+        keys.append(req.request_id)
+        remaining.append(min(req.params.max_tokens - len(req.output_token_ids),
+                             max_model_len - req.num_tokens))
+    return BatchOutlook(tuple(keys), tuple(remaining))

@@ -2,13 +2,14 @@
 the estimates those decisions read.
 
 The engine asks, before it drafts:
-- ``num_drafts(batch_size)``: drafts per request a chain config makes now (the cap
-  ``drafts_per_request``, or under ``draft_policy="cost"`` the count maximising expected
+- ``num_drafts(batch_size, outlook)``: drafts per request a chain config makes now (the
+  cap ``drafts_per_request``, or under ``draft_policy="cost"`` the count maximising expected
   tokens per second on the step times the engine realized, start-up costs only their prior,
   with probes of the other counts priced by what they cost, rocdraft/spec_decode/
-  realized_times.py;
-  with given ``draft_costs`` on those costs alone); a tree config answers its node count
-  (the tree's own shape decides);
+  realized_times.py; with given ``draft_costs`` on those costs alone; with a
+  ``BatchOutlook`` (the batch is all the work left, its ends known) the count that finishes
+  the batch soonest, rocdraft/spec_decode/batch_finish.py); a tree config answers its node
+  count (the tree's own shape decides);
 - ``shape(batch_size)``: "tree" or "chain" for a tree config (rocdraft/spec_decode/
   draft_shape.py), and ``chain_drafts_in_tree_mode(batch_size)`` when it is "chain" (decided
   as a chain config decides, on the realized times of the tree config's own chain steps);
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 
 from rocdraft.config import SpeculativeConfig
 from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
+from rocdraft.spec_decode.batch_finish import (BatchOutlook, RequestAcceptance,
+                                               finish_step_times)
 from rocdraft.spec_decode.cost_model import (EXPLORE_EVERY, AcceptanceTracker, StepCosts,
                                              batch_bucket)
 from rocdraft.spec_decode.draft_shape import DraftShapeChooser, chain_on_tree_step
@@ -69,6 +72,8 @@ class StepRecord:
     tree_rows: list[tuple[list[float], list[int]]] = field(default_factory=list)
     tree_parents: list[list[int]] | None = None
     tree_paths: list[list[int]] | None = None
+    chain_keys: list = field(default_factory=list)  # the requests of chain_verified
+    finished_keys: list = field(default_factory=list)  # requests that finished this step
 
 
 class DraftPolicy:
@@ -87,6 +92,9 @@ class DraftPolicy:
         # Chains under the cost policy with given costs: the same decision on those costs.
         self.given_times = RealizedStepTimes(spec.num_speculative_tokens, sweep=False) \
             if cost_policy and spec.draft_costs is not None and tree is None else None
+        # Either of them: each request's own acceptance, for the batch's finish time.
+        self.request_acceptance = RequestAcceptance() \
+            if cost_policy and tree is None else None
         # A dynamic tree under the cost policy without a fixed budget: the batch budget of
         # each step comes from the step costs and measured acceptance.
         self.tree_acceptance = TreeAcceptanceEstimate(tree.num_nodes) \
@@ -113,10 +121,12 @@ class DraftPolicy:
             return spec.num_speculative_tokens
         return min(spec.num_speculative_tokens, spec.max_draft_tokens_per_step // batch_size)
 
-    def num_drafts(self, batch_size: int) -> int:
+    def num_drafts(self, batch_size: int, outlook: BatchOutlook | None = None) -> int:
         """Drafts per request to make now (verified next step): the cap, or with
-        ``draft_policy="cost"`` the count maximising expected tokens per second. 0: the
-        drafter is skipped unless a prompt is in the step. A tree config: its node count."""
+        ``draft_policy="cost"`` the count maximising expected tokens per second, or with an
+        ``outlook`` (the batch is all the work left) the count finishing the batch soonest.
+        0: the drafter is skipped unless a prompt is in the step. A tree config: its node
+        count."""
         if self.tree is not None:  # the tree's own shape (and batch budget) decide
             return self.tree.num_nodes
         cap = self.drafts_per_request(batch_size)
@@ -126,12 +136,26 @@ class DraftPolicy:
         if costs is None:  # nothing measured yet (a step run outside generate): the cap
             return cap
         self.policy_steps += 1
+        timer = self.realized_times if self.realized_times is not None else self.given_times
+        times = self._step_times(batch_size, costs, cap)
+        if outlook is not None and min(outlook.remaining) > 0:
+            # T(1, d): these times moved to one request by the prior's shape (bucket 1's
+            # own estimates have few samples where a batch of 8 only passes through)
+            at_size, at_one = (prior_times(costs, b, cap) for b in (batch_size, 1))
+            one = [t * (v1 + d1) / (vb + db) for t, vb, db, v1, d1
+                   in zip(times, *at_size, *at_one)]
+            times = finish_step_times(
+                times, one, batch_size, self.acceptance.rates, list(outlook.remaining),
+                [self.request_acceptance.scale(key) for key in outlook.keys])
+        return timer.decide(batch_size, times, self.acceptance.rates)
+
+    def _step_times(self, batch_size: int, costs: StepCosts, cap: int) -> list[float]:
+        """T(0..cap) at ``batch_size``: realized (rocdraft/spec_decode/realized_times.py), or
+        with given costs those costs' times."""
         if self.realized_times is not None:
-            times = self.realized_times.step_times(batch_size, costs, cap)
-            return self.realized_times.decide(batch_size, times, self.acceptance.rates)
+            return self.realized_times.step_times(batch_size, costs, cap)
         verify, draft = prior_times(costs, batch_size, cap)
-        return self.given_times.decide(batch_size, [v + d for v, d in zip(verify, draft)],
-                                       self.acceptance.rates)
+        return [v + d for v, d in zip(verify, draft)]
 
     def shape(self, batch_size: int) -> str:
         """A tree config's shape to draft now: "tree", or "chain" where the chooser measured
@@ -168,6 +192,11 @@ class DraftPolicy:
             return None
         n = choose_nodes_per_request(accepted, costs, batch_size, self.tree)
         return None if n >= self.tree.num_nodes else batch_size * n
+
+    @property
+    def wants_outlook(self) -> bool:
+        """Whether ``num_drafts`` reads a ``BatchOutlook`` (a chain config's cost policy)."""
+        return self.request_acceptance is not None
 
     @property
     def wants_tree_paths(self) -> bool:
@@ -247,7 +276,12 @@ class DraftPolicy:
             if chain.verified:
                 self.acceptance.update(chain.verified, chain.accepted)
         if step.chain_verified:
+            if self.request_acceptance is not None and step.chain_keys:
+                self.request_acceptance.observe(step.chain_keys, step.chain_verified,
+                                                step.chain_accepted, self.acceptance.rates)
             self.acceptance.update(step.chain_verified, step.chain_accepted)
+        if self.request_acceptance is not None:
+            self.request_acceptance.forget(step.finished_keys)
         if step.tree_rows:
             self.tree_acceptance.observe(step.tree_rows)
         costs = None if self.realized_times is None or step.has_prefill \

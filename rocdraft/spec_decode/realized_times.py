@@ -71,7 +71,7 @@ from rocdraft.spec_decode.cost_model import StepCosts, batch_bucket, expected_to
 
 RECENT = 8  # samples kept per entry
 PROBE_BUDGET = 0.0025  # share of throughput one other count's probes may cost
-MIN_PROBE_INTERVAL = 16  # policy steps between probes of one count, at least
+MIN_PROBE_INTERVAL = 32  # policy steps between probes of one count, at least
 
 
 def best_num_drafts(step_times: list[float], rates: list[float], min_drafts: int = 0) -> int:
@@ -127,14 +127,17 @@ def rescale(seconds: float, prior_to: float, prior_from: float) -> float:
 
 
 def robust_mean(samples) -> float:
-    """The mean without the slowest sample once there are 3 (a step slowed by something
-    else, a garbage collection or another process, is one-sided noise).
+    """The mean without the slowest sample once there are 2 (a step slowed by something
+    else, a garbage collection or another process, is one-sided noise; so is the first step
+    of a new shape: oneDNN makes its kernels for a new row count on first use, measured
+    0.3-0.4 ms per weight shape on the built-in pair, 1-2 ms per step, and the sweep's first
+    sample of each count is such a step).
 
-    >>> robust_mean([2.0, 9.0, 4.0]), robust_mean([2.0, 4.0])
-    (3.0, 3.0)
+    >>> robust_mean([2.0, 9.0, 4.0]), robust_mean([2.0, 4.0]), robust_mean([5.0])
+    (3.0, 2.0, 5.0)
     """
     values = sorted(samples)
-    if len(values) >= 3:
+    if len(values) >= 2:
         values = values[:-1]
     return sum(values) / len(values)
 

@@ -1,0 +1,148 @@
+"""The draft count that finishes a batch soonest, when the batch is all the work left and
+every request's end is known (the chain cost policy's objective then; rocdraft/spec_decode/
+policy.py).
+
+Why. Per step the policy maximises expected tokens per second, which is right while
+finished requests are replaced from a queue. When nothing waits, the batch runs until its
+slowest request is done, and requests do not finish together under speculation: their
+acceptance differs (on the built-in pair at bs 8, 8 held-out prompts x 64 tokens, fixed
+k = 4: the slowest request accepted 2.1 tokens per step against 3.2 on average) and the last
+steps run at 1-7 requests, where a step costs most of a full one. Per step, d = 1..4 lay
+within 6% there; end to end fixed 1 ran at 1.0x target-only and fixed 4 at 0.85x.
+
+The model. Request i has r_i tokens left and its own acceptance scale rho_i (its accepted
+drafts over what the running per-position rates predicted for the positions it verified,
+shrunk towards 1 by PRIOR_POSITIONS positions; ``RequestAcceptance``): it accepts position j
+with probability min(rho_i * alpha_j, 1), so it makes m_i(d) tokens per step with variance
+v_i(d) (``tokens_per_step``) and needs N_i(d) = r_i / m_i(d) steps at d, give or take
+s_i(d) = sqrt(r_i v_i / m_i^3) (a renewal count's spread). A step of b requests takes
+T(b, d) = c0(d) + c1(d) * b (the step times at the batch's size B and at 1 request, on a
+line), so holding d until the batch is done takes
+
+    time(d) = c0(d) * max_i (N_i(d) + g_B s_i(d)) + c1(d) * sum_i N_i(d)
+
+(every step until the slowest request is done pays c0, and the slowest of B lags its mean by
+about g_B = E max of B standard normals, ``expected_max_normal``; each request pays c1 per
+step it runs). Larger d separates the requests both ways: by their acceptance (rho) and by
+chance (v grows with d). The policy's decision maximises E(d) / T(d) on the running rates;
+it is handed T'(d) = time(d) * E(d) / sum_i r_i instead, so that E(d) / T'(d) = sum_i r_i /
+time(d): the same decision and the same priced probes (rocdraft/spec_decode/
+realized_times.py), now on the batch's finish time. With every request alike and no spread
+(d = 0), max_i N_i = mean_i N_i and T'(d) = T(B, d) / B: the per-step objective. A request
+alone (B = 1) is decided on its own acceptance (the running rates are every request's: in a
+batch's tail they still carry the fast requests that have finished).
+
+Worked example (k = 1, rates [0.8]; T(1, d) = 5, 7 ms and T(2, d) = 6, 10 ms, so c0 = 4, 4
+and c1 = 1, 3): two requests with 10 tokens left, rho 1 and 0.5 (m = 1.8 and 1.4, v = 0.16
+and 0.24; g_2 = 0.59): d = 0 takes 4 * 10 + 1 * 20 = 60 ms; d = 1 takes
+4 * (7.14 + 0.59 * 0.94) + 3 * (5.56 + 7.14) = 30.8 + 38.1 = 68.9 ms, so plain decoding
+finishes first; per step d = 1 looked ahead (2 * 1.8 / 10 = 0.36 tokens per ms against
+2 / 6 = 0.33).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+from rocdraft.spec_decode.cost_model import expected_tokens
+
+PRIOR_POSITIONS = 8.0  # positions of shrinkage towards the batch's rates (rho = 1)
+
+
+@dataclass(frozen=True)
+class BatchOutlook:
+    """The step's requests, in batch order: their keys and the tokens each has left. Built
+    by the engine only when the batch is all the work left (no request waits) and every
+    request ends at a known length (EOS ignored, no stop token): otherwise None."""
+
+    keys: tuple
+    remaining: tuple[int, ...]
+
+
+class RequestAcceptance:
+    """Per request: drafts accepted and the acceptance the running per-position rates
+    predicted for the positions it verified; ``scale`` -> rho (the module docstring)."""
+
+    def __init__(self) -> None:
+        self.counts: dict = {}  # key -> [accepted, predicted]
+
+    def observe(self, keys: list, verified: list[int], accepted: list[int],
+                rates: list[float]) -> None:
+        """One step's chains: request ``keys[i]`` verified ``verified[i]`` drafts and accepted
+        ``accepted[i]``; it verified positions 1 .. min(accepted + 1, verified), each
+        predicted accepted with probability ``rates[j]``."""
+        for key, v, a in zip(keys, verified, accepted):
+            entry = self.counts.setdefault(key, [0.0, 0.0])
+            entry[0] += a
+            entry[1] += sum(rates[:min(a + 1, v)])
+
+    def forget(self, keys) -> None:
+        """Finished requests."""
+        for key in keys:
+            self.counts.pop(key, None)
+
+    def scale(self, key) -> float:
+        """rho: (accepted + PRIOR_POSITIONS) / (predicted + PRIOR_POSITIONS); 1 unseen.
+
+        >>> acc = RequestAcceptance()
+        >>> acc.observe(["a"], [4], [0], [0.8] * 4)  # predicted 0.8, accepted 0
+        >>> round(acc.scale("a"), 3), acc.scale("b")
+        (0.909, 1.0)
+        """
+        accepted, predicted = self.counts.get(key, (0.0, 0.0))
+        return (accepted + PRIOR_POSITIONS) / (predicted + PRIOR_POSITIONS)
+
+
+def finish_step_times(times_full: list[float], times_one: list[float], batch_size: int,
+                      rates: list[float], remaining: list[int], scales: list[float]
+                      ) -> list[float]:
+    """T'(0..k) (the module docstring): step times that make the per-step decision finish
+    the batch soonest. times_full: T(B, d) at ``batch_size`` B; times_one: T(1, d) (for
+    B = 1 the same: time(d) = T(1, d) * r / E_1(d), the request's own tokens per second);
+    remaining, scales: r_i > 0 and rho_i per request.
+
+    >>> t = finish_step_times([6.0, 10.0], [5.0, 7.0], 2, [0.8], [10, 10], [1.0, 0.5])
+    >>> [round(x, 2) for x in t]  # time(d) = 60, 68.9 ms; E = 1, 1.8; 20 tokens
+    [3.0, 6.2]
+    """
+    total = sum(remaining)
+    spread = expected_max_normal(batch_size)
+    out = []
+    for d, (full, one) in enumerate(zip(times_full, times_one)):
+        per_request = max(full - one, 0.0) / (batch_size - 1) if batch_size > 1 else 0.0
+        fixed = max(one - per_request, 0.0)
+        steps, slowest = 0.0, 0.0
+        for r, rho in zip(remaining, scales):
+            mean, var = tokens_per_step([min(rho * a, 1.0) for a in rates], d)
+            steps += r / mean
+            slowest = max(slowest, r / mean + spread * math.sqrt(r * var / mean ** 3))
+        time = fixed * slowest + per_request * steps
+        out.append(time * expected_tokens(rates, d) / total)
+    return out
+
+
+def tokens_per_step(rates: list[float], num_drafts: int) -> tuple[float, float]:
+    """(mean, variance) of the tokens one request makes per step verifying ``num_drafts``
+    drafts accepted with conditional ``rates``: 1 + A with P(A >= j) = rates[0] * ... *
+    rates[j - 1], so E A = sum_j P(A >= j) and E A^2 = sum_j (2j - 1) P(A >= j).
+
+    >>> tokens_per_step([0.5, 0.5], 2)  # A = 0, 1, 2 with 1/2, 1/4, 1/4
+    (1.75, 0.6875)
+    """
+    survive, first, second = 1.0, 0.0, 0.0
+    for j, alpha in enumerate(rates[:num_drafts], start=1):
+        survive *= alpha
+        first += survive
+        second += (2 * j - 1) * survive
+    return 1.0 + first, second - first * first
+
+
+def expected_max_normal(count: int) -> float:
+    """About E max of ``count`` standard normals (Blom's approximation): how far the slowest
+    of ``count`` requests lags the mean in standard deviations.
+
+    >>> [round(expected_max_normal(n), 2) for n in (1, 2, 8, 64)]  # exact: 0, .56, 1.42, 2.41
+    [0.0, 0.59, 1.43, 2.34]
+    """
+    return NormalDist().inv_cdf((count - 0.375) / (count + 0.25))

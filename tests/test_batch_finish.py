@@ -1,0 +1,195 @@
+"""The batch's finish time as the chain cost policy's objective (rocdraft/spec_decode/
+batch_finish.py): the pure functions, and a simulated engine (no model) running batches whose
+requests accept at different rates and stop at known lengths, the policy with and without the
+outlook against every fixed draft count on the same random streams."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, strategies as st
+
+from rocdraft.config import SpeculativeConfig
+from rocdraft.spec_decode.batch_finish import (PRIOR_POSITIONS, BatchOutlook, RequestAcceptance,
+                                               expected_max_normal, finish_step_times,
+                                               tokens_per_step)
+from rocdraft.spec_decode.cost_model import StepCosts, expected_tokens
+from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
+from rocdraft.spec_decode.realized_times import best_num_drafts
+
+K = 4
+
+
+def test_docstring_worked_example():
+    times = finish_step_times([6.0, 10.0], [5.0, 7.0], 2, [0.8], [10, 10], [1.0, 0.5])
+    slowest = 10 / 1.4 + expected_max_normal(2) * (10 * 0.24 / 1.4 ** 3) ** 0.5
+    assert times == pytest.approx([60 * 1 / 20,
+                                   (4 * slowest + 3 * (10 / 1.8 + 10 / 1.4)) * 1.8 / 20])
+    assert best_num_drafts(times, [0.8]) == 0  # finishing first: plain decoding
+    assert best_num_drafts([6.0, 10.0], [0.8]) == 1  # per step: d = 1
+
+
+@given(st.integers(1, 16), st.integers(1, 200), st.lists(st.floats(0.0, 1.0), min_size=K,
+                                                        max_size=K),
+       st.lists(st.tuples(st.floats(1.0, 20.0), st.floats(0.1, 5.0)), min_size=K + 1,
+                max_size=K + 1))
+def test_equal_requests_reduce_to_the_per_step_objective_without_spread(
+        batch_size, remaining, rates, lines):
+    """Every request alike (the same tokens left and scale): the slowest is the mean plus
+    chance, so T' = T(B, d) / B exactly where nothing is left to chance (d = 0, or rates
+    of 0 or 1), and above it otherwise."""
+    one = [c0 + c1 for c0, c1 in lines]
+    full = [c0 + c1 * batch_size for c0, c1 in lines]
+    times = finish_step_times(full, one, batch_size, rates, [remaining] * batch_size,
+                              [1.0] * batch_size)
+    assert times[0] == pytest.approx(full[0] / batch_size)
+    assert all(t >= f / batch_size * (1 - 1e-9) for t, f in zip(times, full))
+    sure = [float(a > 0.5) for a in rates]
+    times = finish_step_times(full, one, batch_size, sure, [remaining] * batch_size,
+                              [1.0] * batch_size)
+    assert times == pytest.approx([t / batch_size for t in full])
+    assert best_num_drafts(times, sure) == best_num_drafts(full, sure)
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K), st.integers(0, K))
+def test_tokens_per_step_matches_the_distribution(rates, num_drafts):
+    """Mean and variance against the explicit distribution of 1 + A."""
+    probs, survive = [], 1.0
+    for j in range(num_drafts + 1):  # P(A = j)
+        stop = 1.0 - rates[j] if j < num_drafts else 1.0
+        probs.append(survive * stop)
+        survive *= rates[j] if j < num_drafts else 0.0
+    mean = sum((1 + j) * p for j, p in enumerate(probs))
+    var = sum((1 + j) ** 2 * p for j, p in enumerate(probs)) - mean ** 2
+    got = tokens_per_step(rates, num_drafts)
+    assert got[0] == pytest.approx(mean) and got[0] == pytest.approx(
+        expected_tokens(rates, num_drafts))
+    assert got[1] == pytest.approx(var, abs=1e-9)
+
+
+def test_request_acceptance_scales_follow_each_requests_own_drafts():
+    acc = RequestAcceptance()
+    rates = [0.8, 0.8, 0.8, 0.8]
+    for _ in range(10):
+        acc.observe(["good", "bad"], [4, 4], [4, 0], rates)
+    # good: 40 accepted of 4 * 0.8 * 10 = 32 predicted; bad: 0 of 0.8 * 10 = 8 predicted
+    assert acc.scale("good") == pytest.approx((40 + PRIOR_POSITIONS) / (32 + PRIOR_POSITIONS))
+    assert acc.scale("bad") == pytest.approx(PRIOR_POSITIONS / (8 + PRIOR_POSITIONS))
+    assert acc.scale("new") == 1.0
+    acc.forget(["good"])
+    assert acc.scale("good") == 1.0 and "bad" in acc.counts
+
+
+# --- a simulated engine over whole batches -------------------------------------------------
+
+def step_seconds(batch_size: int, verified: int, drafted: int) -> tuple[float, float]:
+    """(verify part, draft part) shaped like the built-in pair on one CPU thread: a large
+    cost per step, a small one per request (T(8, d) = 5.4, 8.3, 11.1, 13.6, 16.1 ms)."""
+    verify = 0.00394 + 0.000183 * batch_size * (verified + 1)
+    draft = 0.0013 + 0.00001 * batch_size * (drafted + 1) + 0.0013 * (drafted - 1) \
+        if drafted else 0.0
+    return verify, draft
+
+
+PRIOR = StepCosts(0.00394, 0.000183, 0.0013, 0.00001, 0.0013)  # the same, as start-up costs
+
+
+def run_batches(choose, alphas: list[float], num_batches: int, tokens: int, seed: int,
+                policy: DraftPolicy | None = None) -> float:
+    """Seconds to run ``num_batches`` batches, each of len(alphas) requests that need
+    ``tokens`` tokens (request i accepts each draft with probability alphas[i]; the
+    batch runs until its last request is done). choose(batch_size, outlook) -> d."""
+    rng, seconds = random.Random(seed), 0.0
+    for batch in range(num_batches):
+        left = {(batch, i): tokens for i in range(len(alphas))}
+        verified = 0
+        while left:
+            keys = sorted(left)
+            d = choose(len(keys), BatchOutlook(tuple(keys), tuple(left[k] for k in keys)))
+            step_rng = random.Random(rng.random())
+            accepted = []
+            for key in keys:
+                n = 0
+                while n < verified and step_rng.random() < alphas[key[1]]:
+                    n += 1
+                accepted.append(n)
+            verify_s, draft_s = step_seconds(len(keys), verified, d)
+            seconds += verify_s + draft_s
+            finished = []
+            for key, n in zip(keys, accepted):
+                left[key] -= n + 1
+                if left[key] <= 0:
+                    finished.append(key)
+                    del left[key]
+            if policy is not None:
+                policy.observe(StepRecord(
+                    batch_size=len(keys), has_prefill=False, seconds=verify_s + draft_s,
+                    produced=sum(accepted) + len(keys), any_verified=verified > 0,
+                    drafted=d > 0, shape=None, verified_tree=False,
+                    samples=[True] * len(keys),
+                    chain_verified=[verified] * len(keys) if verified else [],
+                    chain_accepted=accepted if verified else [],
+                    chain_keys=keys if verified else [], num_drafts=d,
+                    draft_seconds=draft_s, finished_keys=finished))
+            verified = d
+    return seconds
+
+
+def cost_policy() -> DraftPolicy:
+    policy = DraftPolicy(SpeculativeConfig("eagle3", K), None)
+    for bucket in (1, 2, 4, 8):
+        policy.add_costs(True, bucket, PRIOR)
+    return policy
+
+
+# Eight requests: six that the head drafts well for, two it does not (the built-in pair's
+# prompts at bs 8 spread like this: 2.1 to 4 tokens per k = 4 step).
+MIXED = [0.95, 0.9, 0.9, 0.9, 0.85, 0.85, 0.55, 0.45]
+
+
+@pytest.mark.parametrize("alphas, within, per_step_beyond", [
+    (MIXED, 1.04, 1.06),
+    ([0.95] * 6 + [0.3] * 2, 1.07, 1.15),  # two requests the head cannot draft for
+    ([0.85] * 8, 1.03, None),  # alike: the outlook changes little
+], ids=["mixed", "two-bad", "alike"])
+def test_the_outlook_finishes_batches_near_the_best_fixed_count(alphas, within,
+                                                                 per_step_beyond):
+    """Batches of requests with known ends, each run to its last request, 30 in a row (the
+    same policy learns across them): the policy reading the outlook takes at most
+    ``within`` x the time of the best fixed count in hindsight (the rest is what the sweep,
+    the probes and each new batch's first steps, before its requests' acceptance is seen,
+    cost); the per-step objective takes more than ``per_step_beyond`` x (it drafts for the
+    fast requests, and the slow ones run on alone)."""
+    batches, tokens, seed = 30, 64, 11
+    fixed = {d: run_batches(lambda b, o, d=d: d, alphas, batches, tokens, seed)
+             for d in range(K + 1)}
+    best = min(fixed.values())
+    policy = cost_policy()
+    with_outlook = run_batches(policy.num_drafts, alphas, batches, tokens, seed, policy)
+    assert with_outlook <= within * best, (with_outlook / best, fixed)
+    if per_step_beyond is not None:
+        policy = cost_policy()
+        per_step = run_batches(lambda b, o: policy.num_drafts(b), alphas, batches, tokens,
+                               seed, policy)
+        assert per_step > per_step_beyond * best, (per_step / best, fixed)
+
+
+def test_policy_observe_keeps_each_requests_acceptance_until_it_finishes():
+    policy = cost_policy()
+    assert policy.wants_outlook
+    record = dict(batch_size=2, has_prefill=False, seconds=0.01, produced=6, any_verified=True,
+                  drafted=True, shape=None, verified_tree=False, samples=[True, True],
+                  chain_verified=[4, 4], chain_accepted=[4, 0], chain_keys=["a", "b"],
+                  num_drafts=4, draft_seconds=0.002)
+    policy.observe(StepRecord(**record))
+    assert policy.request_acceptance.scale("a") > 1.0 > policy.request_acceptance.scale("b")
+    policy.observe(StepRecord(**record, finished_keys=["a"]))
+    assert set(policy.request_acceptance.counts) == {"b"}
+
+
+@pytest.mark.parametrize("spec", [
+    SpeculativeConfig("eagle3", K, draft_policy="fixed"),
+    SpeculativeConfig("eagle3", K, speculative_token_tree="[(0,), (1,), (0, 0)]"),
+], ids=["fixed", "tree"])
+def test_no_outlook_without_the_chain_cost_policy(spec):
+    assert not DraftPolicy(spec, spec.draft_tree()).wants_outlook
