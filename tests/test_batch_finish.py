@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, strategies as st
 
 from rocdraft.config import SpeculativeConfig
-from rocdraft.spec_decode.batch_finish import (PRIOR_POSITIONS, BatchOutlook, RequestAcceptance,
-                                               expected_max_normal, finish_step_times,
-                                               tokens_per_step)
+from rocdraft.spec_decode.batch_finish import (PRIOR_POSITIONS, SCALE_STEPS, BatchOutlook,
+                                               RequestAcceptance, expected_max_normal,
+                                               finish_step_times, tokens_per_step)
 from rocdraft.spec_decode.cost_model import StepCosts, expected_tokens
 from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
 from rocdraft.spec_decode.realized_times import best_num_drafts
@@ -61,10 +61,34 @@ def test_tokens_per_step_matches_the_distribution(rates, num_drafts):
         survive *= rates[j] if j < num_drafts else 0.0
     mean = sum((1 + j) * p for j, p in enumerate(probs))
     var = sum((1 + j) ** 2 * p for j, p in enumerate(probs)) - mean ** 2
-    got = tokens_per_step(rates, num_drafts)
-    assert got[0] == pytest.approx(mean) and got[0] == pytest.approx(
-        expected_tokens(rates, num_drafts))
-    assert got[1] == pytest.approx(var, abs=1e-9)
+    means, variances = tokens_per_step(rates, num_drafts)
+    assert len(means) == len(variances) == num_drafts + 1
+    assert means[-1] == pytest.approx(mean) == expected_tokens(rates, num_drafts)
+    assert variances[-1] == pytest.approx(var, abs=1e-9)
+
+
+@given(st.lists(st.tuples(st.integers(1, 300), st.floats(0.2, 2.0)), min_size=1, max_size=40),
+       st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K))
+def test_grouping_by_scale_equals_the_per_request_formula(requests, rates):
+    """The grouped sums equal the module docstring's formula over each request, with each
+    scale rounded to 1/SCALE_STEPS."""
+    import math
+
+    remaining = [r for r, _ in requests]
+    scales = [round(rho * SCALE_STEPS) / SCALE_STEPS for _, rho in requests]
+    full, one, b = [8.0, 11.0, 13.0, 15.0, 17.0], [5.0, 6.0, 7.0, 8.0, 9.0], len(requests)
+    got = finish_step_times(full, one, b, rates, remaining, [rho for _, rho in requests])
+    spread = expected_max_normal(b)
+    for d in range(K + 1):
+        per_request = (full[d] - one[d]) / (b - 1) if b > 1 else 0.0
+        fixed = one[d] - per_request
+        stats = [tokens_per_step([min(rho * a, 1.0) for a in rates], K) for rho in scales]
+        n = [r / m[d] for r, (m, _) in zip(remaining, stats)]
+        slowest = max(r / m[d] + spread * math.sqrt(r * v[d] / m[d] ** 3)
+                      for r, (m, v) in zip(remaining, stats))
+        want = (fixed * slowest + per_request * sum(n)) * expected_tokens(rates, d) \
+            / sum(remaining)
+        assert got[d] == pytest.approx(want, rel=1e-9)
 
 
 def test_request_acceptance_scales_follow_each_requests_own_drafts():

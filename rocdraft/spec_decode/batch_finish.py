@@ -48,6 +48,7 @@ from statistics import NormalDist
 from rocdraft.spec_decode.cost_model import expected_tokens
 
 PRIOR_POSITIONS = 8.0  # positions of shrinkage towards the batch's rates (rho = 1)
+SCALE_STEPS = 32  # requests whose scales round alike (to 1/32) are counted as one group
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,13 @@ class RequestAcceptance:
         """One step's chains: request ``keys[i]`` verified ``verified[i]`` drafts and accepted
         ``accepted[i]``; it verified positions 1 .. min(accepted + 1, verified), each
         predicted accepted with probability ``rates[j]``."""
+        predicted = [0.0]  # predicted[n]: rates[0] + ... + rates[n - 1]
+        for alpha in rates:
+            predicted.append(predicted[-1] + alpha)
         for key, v, a in zip(keys, verified, accepted):
             entry = self.counts.setdefault(key, [0.0, 0.0])
             entry[0] += a
-            entry[1] += sum(rates[:min(a + 1, v)])
+            entry[1] += predicted[min(a + 1, v, len(rates))]
 
     def forget(self, keys) -> None:
         """Finished requests."""
@@ -108,34 +112,48 @@ def finish_step_times(times_full: list[float], times_one: list[float], batch_siz
     """
     total = sum(remaining)
     spread = expected_max_normal(batch_size)
+    # Requests grouped by their scale (to 1 / SCALE_STEPS): per group the tokens left in
+    # all (the sum term) and the most (its slowest request), so a step costs O(B + groups
+    # * k) and not O(B * k) (1.4 ms at B = 256 per request, about 0.1 ms grouped).
+    groups: dict[float, list[int]] = {}
+    for r, rho in zip(remaining, scales):
+        group = groups.setdefault(round(rho * SCALE_STEPS) / SCALE_STEPS, [0, 0])
+        group[0] += r
+        group[1] = max(group[1], r)
+    per_group = [(tokens_per_step([min(rho * a, 1.0) for a in rates], len(times_full) - 1),
+                  left, most) for rho, (left, most) in groups.items()]
     out = []
     for d, (full, one) in enumerate(zip(times_full, times_one)):
         per_request = max(full - one, 0.0) / (batch_size - 1) if batch_size > 1 else 0.0
         fixed = max(one - per_request, 0.0)
         steps, slowest = 0.0, 0.0
-        for r, rho in zip(remaining, scales):
-            mean, var = tokens_per_step([min(rho * a, 1.0) for a in rates], d)
-            steps += r / mean
-            slowest = max(slowest, r / mean + spread * math.sqrt(r * var / mean ** 3))
+        for (means, variances), left, most in per_group:
+            mean, var = means[d], variances[d]
+            steps += left / mean
+            slowest = max(slowest, most / mean + spread * math.sqrt(most * var / mean ** 3))
         time = fixed * slowest + per_request * steps
         out.append(time * expected_tokens(rates, d) / total)
     return out
 
 
-def tokens_per_step(rates: list[float], num_drafts: int) -> tuple[float, float]:
-    """(mean, variance) of the tokens one request makes per step verifying ``num_drafts``
-    drafts accepted with conditional ``rates``: 1 + A with P(A >= j) = rates[0] * ... *
-    rates[j - 1], so E A = sum_j P(A >= j) and E A^2 = sum_j (2j - 1) P(A >= j).
+def tokens_per_step(rates: list[float], max_drafts: int) -> tuple[list[float], list[float]]:
+    """Per d = 0..max_drafts, the (means, variances) of the tokens one request makes per
+    step verifying d drafts accepted with conditional ``rates``: 1 + A with P(A >= j) =
+    rates[0] * ... * rates[j - 1], so E A = sum_{j<=d} P(A >= j) and E A^2 =
+    sum_{j<=d} (2j - 1) P(A >= j).
 
-    >>> tokens_per_step([0.5, 0.5], 2)  # A = 0, 1, 2 with 1/2, 1/4, 1/4
-    (1.75, 0.6875)
+    >>> tokens_per_step([0.5, 0.5], 2)  # d = 2: A = 0, 1, 2 with 1/2, 1/4, 1/4
+    ([1.0, 1.5, 1.75], [0.0, 0.25, 0.6875])
     """
     survive, first, second = 1.0, 0.0, 0.0
-    for j, alpha in enumerate(rates[:num_drafts], start=1):
+    means, variances = [1.0], [0.0]
+    for j, alpha in enumerate(rates[:max_drafts], start=1):
         survive *= alpha
         first += survive
         second += (2 * j - 1) * survive
-    return 1.0 + first, second - first * first
+        means.append(1.0 + first)
+        variances.append(max(second - first * first, 0.0))
+    return means, variances
 
 
 def expected_max_normal(count: int) -> float:
