@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, strategies as st
 
 from rocdraft.config import SpeculativeConfig
-from rocdraft.spec_decode.batch_finish import (PRIOR_POSITIONS, SCALE_STEPS, BatchOutlook,
-                                               RequestAcceptance, expected_max_normal,
-                                               finish_step_times, tokens_per_step)
+from rocdraft.spec_decode.batch_finish import (PRIOR_POSITIONS, SCALE_STEPS, TIE_SHARE,
+                                               BatchOutlook, RequestAcceptance,
+                                               expected_max_normal, finish_step_times,
+                                               tokens_per_step)
 from rocdraft.spec_decode.cost_model import StepCosts, expected_tokens
 from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
 from rocdraft.spec_decode.realized_times import best_num_drafts
@@ -79,29 +80,42 @@ def test_grouping_by_scale_equals_the_per_request_formula(requests, rates):
     full, one, b = [8.0, 11.0, 13.0, 15.0, 17.0], [5.0, 6.0, 7.0, 8.0, 9.0], len(requests)
     got = finish_step_times(full, one, b, rates, remaining, [rho for _, rho in requests])
     spread = expected_max_normal(b)
+    stats = [tokens_per_step([min(rho * a, 1.0) for a in rates], K) for rho in scales]
+    before = mean_before = math.inf
     for d in range(K + 1):
         per_request = (full[d] - one[d]) / (b - 1) if b > 1 else 0.0
         fixed = one[d] - per_request
-        stats = [tokens_per_step([min(rho * a, 1.0) for a in rates], K) for rho in scales]
         n = [r / m[d] for r, (m, _) in zip(remaining, stats)]
         slowest = max(r / m[d] + spread * math.sqrt(r * v[d] / m[d] ** 3)
                       for r, (m, v) in zip(remaining, stats))
+        slowest = min(slowest, before - TIE_SHARE * (mean_before - max(n)))  # never slower
+        before, mean_before = slowest, max(n)
         want = (fixed * slowest + per_request * sum(n)) * expected_tokens(rates, d) \
             / sum(remaining)
         assert got[d] == pytest.approx(want, rel=1e-9)
 
 
 def test_request_acceptance_scales_follow_each_requests_own_drafts():
+    from rocdraft.spec_decode.cost_model import RATE_DECAY
+
     acc = RequestAcceptance()
-    rates = [0.8, 0.8, 0.8, 0.8]
     for _ in range(10):
-        acc.observe(["good", "bad"], [4, 4], [4, 0], rates)
-    # good: 40 accepted of 4 * 0.8 * 10 = 32 predicted; bad: 0 of 0.8 * 10 = 8 predicted
-    assert acc.scale("good") == pytest.approx((40 + PRIOR_POSITIONS) / (32 + PRIOR_POSITIONS))
-    assert acc.scale("bad") == pytest.approx(PRIOR_POSITIONS / (8 + PRIOR_POSITIONS))
-    assert acc.scale("new") == 1.0
+        acc.observe(["good", "bad"], [4, 4], [4, 0])
+    # decayed counts: good accepted all 40 positions, bad none of 10 (each step's weight
+    # (1 - RATE_DECAY) ** age); the running rates pool 0.8
+    weight = sum((1 - RATE_DECAY) ** age for age in range(10))
+    assert acc.scale("good", 0.8) == pytest.approx(
+        (4 * weight + PRIOR_POSITIONS * 0.8) / (4 * weight + PRIOR_POSITIONS) / 0.8)
+    assert acc.scale("bad", 0.8) == pytest.approx(
+        PRIOR_POSITIONS * 0.8 / (weight + PRIOR_POSITIONS) / 0.8)
+    assert acc.scale("new", 0.8) == 1.0 and acc.scale("bad", 0.0) == 1.0
+    # a request that accepts 3 of 10 positions, once the running rates are its own (it
+    # runs alone, or with ones like it): scaled by about 1, not counted twice
+    for accepted in (1, 0, 0, 1, 0, 0, 1, 0, 0, 0) * 10:
+        acc.observe(["slow"], [1], [accepted])
+    assert acc.scale("slow", 0.3) == pytest.approx(1.0, abs=0.1)  # the last 20 steps weigh most
     acc.forget(["good"])
-    assert acc.scale("good") == 1.0 and "bad" in acc.counts
+    assert acc.scale("good", 0.8) == 1.0 and "bad" in acc.counts
 
 
 # --- a simulated engine over whole batches -------------------------------------------------
@@ -206,7 +220,9 @@ def test_policy_observe_keeps_each_requests_acceptance_until_it_finishes():
                   chain_verified=[4, 4], chain_accepted=[4, 0], chain_keys=["a", "b"],
                   num_drafts=4, draft_seconds=0.002)
     policy.observe(StepRecord(**record))
-    assert policy.request_acceptance.scale("a") > 1.0 > policy.request_acceptance.scale("b")
+    pooled = policy.acceptance.pooled_rate
+    assert policy.request_acceptance.scale("a", pooled) > 1.0 \
+        > policy.request_acceptance.scale("b", pooled)
     policy.observe(StepRecord(**record, finished_keys=["a"]))
     assert set(policy.request_acceptance.counts) == {"b"}
 

@@ -10,9 +10,10 @@ k = 4: the slowest request accepted 2.1 tokens per step against 3.2 on average) 
 steps run at 1-7 requests, where a step costs most of a full one. Per step, d = 1..4 lay
 within 6% there; end to end fixed 1 ran at 1.0x target-only and fixed 4 at 0.85x.
 
-The model. Request i has r_i tokens left and its own acceptance scale rho_i (its accepted
-drafts over what the running per-position rates predicted for the positions it verified,
-shrunk towards 1 by PRIOR_POSITIONS positions; ``RequestAcceptance``): it accepts position j
+The model. Request i has r_i tokens left and its own acceptance scale rho_i (the share of
+the draft positions it verified that it accepted, shrunk towards the running rates' pooled
+share by PRIOR_POSITIONS positions, over that pooled share; ``RequestAcceptance``): it
+accepts position j
 with probability min(rho_i * alpha_j, 1), so it makes m_i(d) tokens per step with variance
 v_i(d) (``tokens_per_step``) and needs N_i(d) = r_i / m_i(d) steps at d, give or take
 s_i(d) = sqrt(r_i v_i / m_i^3) (a renewal count's spread). A step of b requests takes
@@ -45,10 +46,11 @@ import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from rocdraft.spec_decode.cost_model import expected_tokens
+from rocdraft.spec_decode.cost_model import RATE_DECAY, expected_tokens
 
 PRIOR_POSITIONS = 8.0  # positions of shrinkage towards the batch's rates (rho = 1)
 SCALE_STEPS = 32  # requests whose scales round alike (to 1/32) are counted as one group
+TIE_SHARE = 0.01  # of the mean's gain the slowest keeps where the spread says it gains none
 
 
 @dataclass(frozen=True)
@@ -62,40 +64,47 @@ class BatchOutlook:
 
 
 class RequestAcceptance:
-    """Per request: drafts accepted and the acceptance the running per-position rates
-    predicted for the positions it verified; ``scale`` -> rho (the module docstring)."""
+    """Per request: its drafts accepted and the draft positions it verified, both decayed
+    per step it verifies as the running rates are (RATE_DECAY: a request's acceptance
+    drifts too, and a request alone must read as the running rates read it); ``scale`` ->
+    rho against the running rates' pooled rate (the module docstring)."""
 
     def __init__(self) -> None:
-        self.counts: dict = {}  # key -> [accepted, predicted]
+        self.counts: dict = {}  # key -> [accepted, positions verified]
 
-    def observe(self, keys: list, verified: list[int], accepted: list[int],
-                rates: list[float]) -> None:
+    def observe(self, keys: list, verified: list[int], accepted: list[int]) -> None:
         """One step's chains: request ``keys[i]`` verified ``verified[i]`` drafts and accepted
-        ``accepted[i]``; it verified positions 1 .. min(accepted + 1, verified), each
-        predicted accepted with probability ``rates[j]``."""
-        predicted = [0.0]  # predicted[n]: rates[0] + ... + rates[n - 1]
-        for alpha in rates:
-            predicted.append(predicted[-1] + alpha)
+        ``accepted[i]``, so it verified positions 1 .. min(accepted + 1, verified)."""
+        keep = 1.0 - RATE_DECAY
         for key, v, a in zip(keys, verified, accepted):
             entry = self.counts.setdefault(key, [0.0, 0.0])
-            entry[0] += a
-            entry[1] += predicted[min(a + 1, v, len(rates))]
+            entry[0] = keep * entry[0] + a
+            entry[1] = keep * entry[1] + min(a + 1, v)
 
     def forget(self, keys) -> None:
         """Finished requests."""
         for key in keys:
             self.counts.pop(key, None)
 
-    def scale(self, key) -> float:
-        """rho: (accepted + PRIOR_POSITIONS) / (predicted + PRIOR_POSITIONS); 1 unseen.
+    def scale(self, key, pooled_rate: float) -> float:
+        """rho: the request's accepted share of the positions it verified, shrunk towards
+        ``pooled_rate`` (the running rates' accepted share, every request's) by
+        PRIOR_POSITIONS positions, over ``pooled_rate``; 1 for a request not seen.
+
+        Against the running rates *now*, not when each draft was verified: at the end of a
+        batch the running rates drift towards the requests still running, and a request
+        alone (or the slow ones of a tail) is then scaled by about 1, not counted twice.
 
         >>> acc = RequestAcceptance()
-        >>> acc.observe(["a"], [4], [0], [0.8] * 4)  # predicted 0.8, accepted 0
-        >>> round(acc.scale("a"), 3), acc.scale("b")
-        (0.909, 1.0)
+        >>> acc.observe(["a"], [4], [0])  # 1 position verified, none accepted
+        >>> round(acc.scale("a", 0.8), 3), acc.scale("b", 0.8)  # (0 + 6.4) / 9 / 0.8
+        (0.889, 1.0)
         """
-        accepted, predicted = self.counts.get(key, (0.0, 0.0))
-        return (accepted + PRIOR_POSITIONS) / (predicted + PRIOR_POSITIONS)
+        accepted, positions = self.counts.get(key, (0, 0))
+        if pooled_rate <= 0.0:
+            return 1.0
+        shrunk = (accepted + PRIOR_POSITIONS * pooled_rate) / (positions + PRIOR_POSITIONS)
+        return shrunk / pooled_rate
 
 
 def finish_step_times(times_full: list[float], times_one: list[float], batch_size: int,
@@ -122,15 +131,23 @@ def finish_step_times(times_full: list[float], times_one: list[float], batch_siz
         group[1] = max(group[1], r)
     per_group = [(tokens_per_step([min(rho * a, 1.0) for a in rates], len(times_full) - 1),
                   left, most) for rho, (left, most) in groups.items()]
-    out = []
+    out, before, mean_before = [], math.inf, math.inf
     for d, (full, one) in enumerate(zip(times_full, times_one)):
         per_request = max(full - one, 0.0) / (batch_size - 1) if batch_size > 1 else 0.0
         fixed = max(one - per_request, 0.0)
-        steps, slowest = 0.0, 0.0
+        steps, slowest, slowest_mean = 0.0, 0.0, 0.0
         for (means, variances), left, most in per_group:
             mean, var = means[d], variances[d]
             steps += left / mean
             slowest = max(slowest, most / mean + spread * math.sqrt(most * var / mean ** 3))
+            slowest_mean = max(slowest_mean, most / mean)
+        # One more draft never makes a request slower (on the same acceptance draws it
+        # accepts at least as many tokens per step), so never the slowest; the normal spread
+        # may say otherwise where drafts are seldom accepted and few tokens are left (the
+        # steps' distribution is far from normal there). Where it does, the slowest gains
+        # TIE_SHARE of what its mean gains: the tie goes to the larger d.
+        slowest = min(slowest, before - TIE_SHARE * (mean_before - slowest_mean))
+        before, mean_before = slowest, slowest_mean
         time = fixed * slowest + per_request * steps
         out.append(time * expected_tokens(rates, d) / total)
     return out

@@ -153,6 +153,13 @@ class AcceptanceTracker:
             self.verified[j] = keep * self.verified[j] + verified
 
     @property
+    def pooled_rate(self) -> float:
+        """Accepted over verified drafts, every position pooled (the prior's weight as in
+        ``rates``): the share of verified positions accepted."""
+        return (sum(self.accepted) + PRIOR_WEIGHT * self.prior) / (sum(self.verified)
+                                                                   + PRIOR_WEIGHT)
+
+    @property
     def rates(self) -> list[float]:
         return [(a + PRIOR_WEIGHT * self.prior) / (v + PRIOR_WEIGHT)
                 for a, v in zip(self.accepted, self.verified)]

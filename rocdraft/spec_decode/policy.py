@@ -142,11 +142,12 @@ class DraftPolicy:
             # T(1, d): these times moved to one request by the prior's shape (bucket 1's
             # own estimates have few samples where a batch of 8 only passes through)
             at_size, at_one = (prior_times(costs, b, cap) for b in (batch_size, 1))
+            pooled = self.acceptance.pooled_rate
             one = [t * (v1 + d1) / (vb + db) for t, vb, db, v1, d1
                    in zip(times, *at_size, *at_one)]
             times = finish_step_times(
                 times, one, batch_size, self.acceptance.rates, list(outlook.remaining),
-                [self.request_acceptance.scale(key) for key in outlook.keys])
+                [self.request_acceptance.scale(key, pooled) for key in outlook.keys])
         return timer.decide(batch_size, times, self.acceptance.rates)
 
     def _step_times(self, batch_size: int, costs: StepCosts, cap: int) -> list[float]:
@@ -278,7 +279,7 @@ class DraftPolicy:
         if step.chain_verified:
             if self.request_acceptance is not None and step.chain_keys:
                 self.request_acceptance.observe(step.chain_keys, step.chain_verified,
-                                                step.chain_accepted, self.acceptance.rates)
+                                                step.chain_accepted)
             self.acceptance.update(step.chain_verified, step.chain_accepted)
         if self.request_acceptance is not None:
             self.request_acceptance.forget(step.finished_keys)
