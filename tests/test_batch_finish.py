@@ -233,3 +233,11 @@ def test_policy_observe_keeps_each_requests_acceptance_until_it_finishes():
 ], ids=["fixed", "tree"])
 def test_no_outlook_without_the_chain_cost_policy(spec):
     assert not DraftPolicy(spec, spec.draft_tree()).wants_outlook
+
+
+def test_the_modules_examples():
+    import doctest
+
+    from rocdraft.spec_decode import batch_finish
+
+    assert doctest.testmod(batch_finish).failed == 0

@@ -282,3 +282,11 @@ def test_a_useless_head_settles_on_0_and_speculation_returns_when_the_head_becom
     assert good[0] / 1000 < 0.1, good  # speculating again (which d: the machine's)
     best = max(rate_of(f[-1000:]) for f in fixed.values())
     assert rate_of(trace[-1000:]) >= 0.97 * best, (rate_of(trace[-1000:]) / best, good)
+
+
+def test_the_modules_examples():
+    import doctest
+
+    from rocdraft.spec_decode import realized_times
+
+    assert doctest.testmod(realized_times).failed == 0

@@ -63,6 +63,7 @@ B = 3) are kept as 12 x 22 / 19 = 13.9 ms for v = 2 at B = 4, and estimate T(2) 
 """
 from __future__ import annotations
 
+import functools
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -97,9 +98,18 @@ def prior_times(costs: StepCosts, batch_size: int, max_drafts: int
     """(verify part, draft part) per d = 0..max_drafts from start-up costs: verify[v] =
     target_fixed + target_per_token * B * (v + 1); draft[d] = the head's first forward over
     B * (d + 1) tokens plus (d - 1) draft steps (d = 0: no drafter, 0)."""
-    verify = [costs.time_for_drafts(batch_size, batch_size * v, 0) for v in range(max_drafts + 1)]
-    draft = [costs.time_for_drafts(batch_size, batch_size * d, d) - verify[d]
-             for d in range(max_drafts + 1)]
+    verify, draft = _prior_times(costs, batch_size, max_drafts)
+    return list(verify), list(draft)
+
+
+@functools.lru_cache(maxsize=1024)
+def _prior_times(costs: StepCosts, batch_size: int, max_drafts: int
+                 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``prior_times``, kept (the policy asks for the same few every step)."""
+    verify = tuple(costs.time_for_drafts(batch_size, batch_size * v, 0)
+                   for v in range(max_drafts + 1))
+    draft = tuple(costs.time_for_drafts(batch_size, batch_size * d, d) - verify[d]
+                  for d in range(max_drafts + 1))
     return verify, draft
 
 
@@ -147,6 +157,8 @@ class _Bucket:
     steps: int = 0  # policy decisions taken in this bucket
     probes: int = 0
     last: dict = field(default_factory=dict)  # d -> the policy step that last drafted it
+    samples: int = 0  # steps recorded (the kept step times' version)
+    step_times: dict = field(default_factory=dict)  # (B, prior, max d) -> (samples, times)
     verify: dict = field(default_factory=dict)  # v -> deque of seconds at the bucket's size
     draft: dict = field(default_factory=dict)  # d -> deque of seconds at the bucket's size
 
@@ -171,9 +183,10 @@ class RealizedStepTimes:
         different counts, no verify sample), ``drafted`` per request made; kept at the
         bucket's size by ``prior``'s shape (the module docstring)."""
         bucket = self._bucket(batch_size)
+        bucket.samples += 1
         counts = max(verified or 0, drafted)
-        at_bucket = prior_times(prior, batch_bucket(batch_size), counts)
-        here = prior_times(prior, batch_size, counts)
+        at_bucket = _prior_times(prior, batch_bucket(batch_size), counts)
+        here = _prior_times(prior, batch_size, counts)
         if verified is not None and verify_seconds > 0:
             bucket.verify.setdefault(verified, deque(maxlen=RECENT)).append(
                 rescale(verify_seconds, at_bucket[0][verified], here[0][verified]))
@@ -183,13 +196,20 @@ class RealizedStepTimes:
 
     def step_times(self, batch_size: int, prior: StepCosts, max_drafts: int) -> list[float]:
         """T(0..max_drafts) in seconds at this batch size: realized (calibrated prior where
-        unmeasured) at the bucket's size, moved to this size by the prior's shape."""
+        unmeasured) at the bucket's size, moved to this size by the prior's shape. Kept
+        until the bucket's next sample."""
         bucket = self._bucket(batch_size)
-        verify, draft = prior_times(prior, batch_bucket(batch_size), max_drafts)
-        verify_here, draft_here = prior_times(prior, batch_size, max_drafts)
-        return [rescale(v, vh, vb) + rescale(d, dh, db) for v, d, vb, db, vh, dh in zip(
+        key = (batch_size, prior, max_drafts)
+        kept = bucket.step_times.get(key)
+        if kept is not None and kept[0] == bucket.samples:
+            return list(kept[1])
+        verify, draft = _prior_times(prior, batch_bucket(batch_size), max_drafts)
+        verify_here, draft_here = _prior_times(prior, batch_size, max_drafts)
+        times = [rescale(v, vh, vb) + rescale(d, dh, db) for v, d, vb, db, vh, dh in zip(
             calibrated(bucket.verify, verify), calibrated(bucket.draft, draft),
             verify, draft, verify_here, draft_here)]
+        bucket.step_times[key] = (bucket.samples, tuple(times))
+        return times
 
     def decide(self, batch_size: int, step_times: list[float], rates: list[float]) -> int:
         """The drafts per request of this policy step: the sweep, then the best count or
@@ -216,7 +236,7 @@ def probe_interval(cost: float) -> int:
     count (``probe_cost``): cost / PROBE_BUDGET, at least MIN_PROBE_INTERVAL.
 
     >>> probe_interval(0.0), probe_interval(0.1), probe_interval(1.6)
-    (16, 40, 640)
+    (32, 40, 640)
     """
     return max(round(cost / PROBE_BUDGET), MIN_PROBE_INTERVAL)
 
