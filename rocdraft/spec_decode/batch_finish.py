@@ -25,12 +25,7 @@ line), so holding d until the batch is done takes
 (every step until the slowest request is done pays c0, and the slowest of B lags its mean by
 about g_B = E max of B standard normals, ``expected_max_normal``; each request pays c1 per
 step it runs). Larger d separates the requests both ways: by their acceptance (rho) and by
-chance (v grows with d). A request's rho is itself uncertain, most of all before it has
-verified anything (at a batch's first steps every rho is 1): its uncertainty u_i is the
-spread of the scales of the last requests that finished, shrunk as it verifies drafts, and
-it adds r_i / m_i(rho_i - u_i) - r_i / m_i(rho_i) steps to s_i (in quadrature). And since
-one more draft never makes a request slower, the slowest's term never grows with d. The
-policy's decision maximises E(d) / T(d) on the running rates;
+chance (v grows with d). The policy's decision maximises E(d) / T(d) on the running rates;
 it is handed T'(d) = time(d) * E(d) / sum_i r_i instead, so that E(d) / T'(d) = sum_i r_i /
 time(d): the same decision and the same priced probes (rocdraft/spec_decode/
 realized_times.py), now on the batch's finish time. With every request alike and no spread
