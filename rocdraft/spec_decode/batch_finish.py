@@ -43,8 +43,6 @@ finishes first; per step d = 1 looked ahead (2 * 1.8 / 10 = 0.36 tokens per ms a
 from __future__ import annotations
 
 import math
-import statistics
-from collections import deque
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -53,8 +51,6 @@ from rocdraft.spec_decode.cost_model import RATE_DECAY, expected_tokens
 PRIOR_POSITIONS = 8.0  # positions of shrinkage towards the batch's rates (rho = 1)
 SCALE_STEPS = 32  # requests whose scales round alike (to 1/32) are counted as one group
 TIE_SHARE = 0.01  # of the mean's gain the slowest keeps where the spread says it gains none
-POPULATION = 64  # finished requests whose scales give the population's spread
-MIN_POPULATION = 4  # finished requests before the spread counts
 
 
 @dataclass(frozen=True)
@@ -71,13 +67,10 @@ class RequestAcceptance:
     """Per request: its drafts accepted and the draft positions it verified, both decayed
     per step it verifies as the running rates are (RATE_DECAY: a request's acceptance
     drifts too, and a request alone must read as the running rates read it); ``scale`` ->
-    rho against the running rates' pooled rate (the module docstring). And the population:
-    the scales of the last POPULATION requests that finished, whose spread says how far a
-    request not yet seen may lie from the others (``uncertainty``)."""
+    rho against the running rates' pooled rate (the module docstring)."""
 
     def __init__(self) -> None:
         self.counts: dict = {}  # key -> [accepted, positions verified]
-        self.finished: deque = deque(maxlen=POPULATION)  # scales of finished requests
 
     def observe(self, keys: list, verified: list[int], accepted: list[int]) -> None:
         """One step's chains: request ``keys[i]`` verified ``verified[i]`` drafts and accepted
@@ -88,13 +81,9 @@ class RequestAcceptance:
             entry[0] = keep * entry[0] + a
             entry[1] = keep * entry[1] + min(a + 1, v)
 
-    def forget(self, keys, pooled_rate: float) -> None:
-        """Finished requests: dropped, their scales (those that verified PRIOR_POSITIONS
-        positions or more) kept for the population's spread."""
+    def forget(self, keys) -> None:
+        """Finished requests."""
         for key in keys:
-            entry = self.counts.get(key)
-            if entry is not None and entry[1] >= PRIOR_POSITIONS:
-                self.finished.append(self.scale(key, pooled_rate))
             self.counts.pop(key, None)
 
     def scale(self, key, pooled_rate: float) -> float:
@@ -117,36 +106,14 @@ class RequestAcceptance:
         shrunk = (accepted + PRIOR_POSITIONS * pooled_rate) / (positions + PRIOR_POSITIONS)
         return shrunk / pooled_rate
 
-    def uncertainty(self, key) -> float:
-        """How far the request's scale may still be off: the population's spread (the
-        standard deviation of the finished requests' scales, 0 before MIN_POPULATION have
-        finished) times the prior's share of its estimate, PRIOR_POSITIONS / (PRIOR_POSITIONS
-        + its positions): the whole spread for a request not seen, little once it has
-        verified many drafts.
-
-        >>> acc = RequestAcceptance()
-        >>> acc.finished.extend([0.6, 1.0, 1.4, 1.0])  # spread 0.28
-        >>> acc.observe(["a"], [4], [3])  # 4 positions verified
-        >>> round(acc.uncertainty("new"), 3), round(acc.uncertainty("a"), 3)
-        (0.283, 0.189)
-        """
-        if len(self.finished) < MIN_POPULATION:
-            return 0.0
-        positions = self.counts.get(key, (0, 0))[1]
-        return statistics.pstdev(self.finished) * PRIOR_POSITIONS / (positions
-                                                                     + PRIOR_POSITIONS)
-
 
 def finish_step_times(times_full: list[float], times_one: list[float], batch_size: int,
-                      rates: list[float], remaining: list[int], scales: list[float],
-                      uncertainties: list[float] | None = None) -> list[float]:
+                      rates: list[float], remaining: list[int], scales: list[float]
+                      ) -> list[float]:
     """T'(0..k) (the module docstring): step times that make the per-step decision finish
     the batch soonest. times_full: T(B, d) at ``batch_size`` B; times_one: T(1, d) (for
     B = 1 the same: time(d) = T(1, d) * r / E_1(d), the request's own tokens per second);
-    remaining, scales: r_i > 0 and rho_i per request; uncertainties: how far each rho_i may
-    be off (``RequestAcceptance.uncertainty``; default 0): a request that may be slower than
-    its scale says may finish later, by r_i / m(rho_i - u_i) - r_i / m(rho_i) steps,
-    counted as one more spread beside chance's.
+    remaining, scales: r_i > 0 and rho_i per request.
 
     >>> t = finish_step_times([6.0, 10.0], [5.0, 7.0], 2, [0.8], [10, 10], [1.0, 0.5])
     >>> [round(x, 2) for x in t]  # time(d) = 60, 68.9 ms; E = 1, 1.8; 20 tokens
@@ -154,33 +121,25 @@ def finish_step_times(times_full: list[float], times_one: list[float], batch_siz
     """
     total = sum(remaining)
     spread = expected_max_normal(batch_size)
-    uncertainties = uncertainties or [0.0] * len(remaining)
-    # Requests grouped by their scale and uncertainty (to 1 / SCALE_STEPS): per group the
-    # tokens left in all (the sum term) and the most (its slowest request), so a step costs
-    # O(B + groups * k) and not O(B * k) (1.4 ms at B = 256 per request, about 0.1 ms
-    # grouped).
-    groups: dict[tuple[float, float], list[int]] = {}
-    for r, rho, u in zip(remaining, scales, uncertainties):
-        key = (round(rho * SCALE_STEPS) / SCALE_STEPS, round(u * SCALE_STEPS) / SCALE_STEPS)
-        group = groups.setdefault(key, [0, 0])
+    # Requests grouped by their scale (to 1 / SCALE_STEPS): per group the tokens left in
+    # all (the sum term) and the most (its slowest request), so a step costs O(B + groups
+    # * k) and not O(B * k) (1.4 ms at B = 256 per request, about 0.1 ms grouped).
+    groups: dict[float, list[int]] = {}
+    for r, rho in zip(remaining, scales):
+        group = groups.setdefault(round(rho * SCALE_STEPS) / SCALE_STEPS, [0, 0])
         group[0] += r
         group[1] = max(group[1], r)
-    k = len(times_full) - 1
-    per_group = [(tokens_per_step([min(rho * a, 1.0) for a in rates], k),
-                  tokens_per_step([min(max(rho - u, 0.0) * a, 1.0) for a in rates], k)[0]
-                  if u else None, left, most)
-                 for (rho, u), (left, most) in groups.items()]
+    per_group = [(tokens_per_step([min(rho * a, 1.0) for a in rates], len(times_full) - 1),
+                  left, most) for rho, (left, most) in groups.items()]
     out, before, mean_before = [], math.inf, math.inf
     for d, (full, one) in enumerate(zip(times_full, times_one)):
         per_request = max(full - one, 0.0) / (batch_size - 1) if batch_size > 1 else 0.0
         fixed = max(one - per_request, 0.0)
         steps, slowest, slowest_mean = 0.0, 0.0, 0.0
-        for (means, variances), low_means, left, most in per_group:
+        for (means, variances), left, most in per_group:
             mean, var = means[d], variances[d]
             steps += left / mean
-            chance = most * var / mean ** 3
-            unknown = most / low_means[d] - most / mean if low_means is not None else 0.0
-            slowest = max(slowest, most / mean + spread * math.sqrt(chance + unknown ** 2))
+            slowest = max(slowest, most / mean + spread * math.sqrt(most * var / mean ** 3))
             slowest_mean = max(slowest_mean, most / mean)
         # One more draft never makes a request slower (on the same acceptance draws it
         # accepts at least as many tokens per step), so never the slowest; the normal spread

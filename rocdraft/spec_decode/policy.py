@@ -145,11 +145,9 @@ class DraftPolicy:
             pooled = self.acceptance.pooled_rate
             one = [t * (v1 + d1) / (vb + db) for t, vb, db, v1, d1
                    in zip(times, *at_size, *at_one)]
-            acceptance = self.request_acceptance
             times = finish_step_times(
                 times, one, batch_size, self.acceptance.rates, list(outlook.remaining),
-                [acceptance.scale(key, pooled) for key in outlook.keys],
-                [acceptance.uncertainty(key) for key in outlook.keys])
+                [self.request_acceptance.scale(key, pooled) for key in outlook.keys])
         return timer.decide(batch_size, times, self.acceptance.rates)
 
     def _step_times(self, batch_size: int, costs: StepCosts, cap: int) -> list[float]:
@@ -284,7 +282,7 @@ class DraftPolicy:
                                                 step.chain_accepted)
             self.acceptance.update(step.chain_verified, step.chain_accepted)
         if self.request_acceptance is not None:
-            self.request_acceptance.forget(step.finished_keys, self.acceptance.pooled_rate)
+            self.request_acceptance.forget(step.finished_keys)
         if step.tree_rows:
             self.tree_acceptance.observe(step.tree_rows)
         costs = None if self.realized_times is None or step.has_prefill \
