@@ -30,8 +30,10 @@ it is handed T'(d) = time(d) * E(d) / sum_i r_i instead, so that E(d) / T'(d) = 
 time(d): the same decision and the same priced probes (rocdraft/spec_decode/
 realized_times.py), now on the batch's finish time. With every request alike and no spread
 (d = 0), max_i N_i = mean_i N_i and T'(d) = T(B, d) / B: the per-step objective. A request
-alone (B = 1) is decided on its own acceptance (the running rates are every request's: in a
-batch's tail they still carry the fast requests that have finished).
+alone (B = 1), or the slow ones of a tail, is decided on its own recent acceptance against
+the running rates as they are now (rho is decayed as they are, so a request the running
+rates have come to describe reads about 1, and one the finished fast requests still weigh
+on reads below it).
 
 Worked example (k = 1, rates [0.8]; T(1, d) = 5, 7 ms and T(2, d) = 6, 10 ms, so c0 = 4, 4
 and c1 = 1, 3): two requests with 10 tokens left, rho 1 and 0.5 (m = 1.8 and 1.4, v = 0.16
