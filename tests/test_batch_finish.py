@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from rocdraft.config import SpeculativeConfig
-from rocdraft.spec_decode.batch_finish import (PRIOR_POSITIONS, SCALE_STEPS, TIE_SHARE,
+from rocdraft.spec_decode.batch_finish import (MAX_TRACKED, PRIOR_POSITIONS, SCALE_STEPS, TIE_SHARE,
                                                BatchOutlook, RequestAcceptance,
                                                expected_max_normal, finish_step_times,
                                                tokens_per_step)
@@ -116,6 +116,17 @@ def test_request_acceptance_scales_follow_each_requests_own_drafts():
     assert acc.scale("slow", 0.3) == pytest.approx(1.0, abs=0.1)  # the last 20 steps weigh most
     acc.forget(["good"])
     assert acc.scale("good", 0.8) == 1.0 and "bad" in acc.counts
+
+
+def test_requests_that_never_finish_are_not_kept_forever():
+    """Aborted requests are never forgotten one by one: past MAX_TRACKED entries only the
+    step's own requests are kept (a long-running server does not grow)."""
+    acc = RequestAcceptance()
+    for i in range(MAX_TRACKED + 10):
+        acc.observe([("gone", i)], [2], [1])
+    assert len(acc.counts) <= MAX_TRACKED + 1
+    acc.observe(["a", "b"], [2, 2], [2, 0])
+    assert acc.scale("a", 0.5) > 1.0 > acc.scale("b", 0.5)
 
 
 # --- a simulated engine over whole batches -------------------------------------------------

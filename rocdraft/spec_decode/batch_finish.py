@@ -52,6 +52,7 @@ from rocdraft.spec_decode.cost_model import RATE_DECAY, expected_tokens
 
 PRIOR_POSITIONS = 8.0  # positions of shrinkage towards the batch's rates (rho = 1)
 SCALE_STEPS = 32  # requests whose scales round alike (to 1/32) are counted as one group
+MAX_TRACKED = 4096  # requests tracked at most (then only those of the step at hand)
 TIE_SHARE = 0.01  # of the mean's gain the slowest keeps where the spread says it gains none
 
 
@@ -78,6 +79,9 @@ class RequestAcceptance:
         """One step's chains: request ``keys[i]`` verified ``verified[i]`` drafts and accepted
         ``accepted[i]``, so it verified positions 1 .. min(accepted + 1, verified)."""
         keep = 1.0 - RATE_DECAY
+        if len(self.counts) > MAX_TRACKED:  # requests that left without finishing (aborted,
+            # a client gone) are never forgotten: keep only this step's
+            self.counts = {key: self.counts[key] for key in keys if key in self.counts}
         for key, v, a in zip(keys, verified, accepted):
             entry = self.counts.setdefault(key, [0.0, 0.0])
             entry[0] = keep * entry[0] + a
