@@ -40,7 +40,8 @@ from rocdraft.spec_decode.batch_finish import (BatchOutlook, RequestAcceptance,
 from rocdraft.spec_decode.cost_model import (EXPLORE_EVERY, AcceptanceTracker, StepCosts,
                                              batch_bucket)
 from rocdraft.spec_decode.draft_shape import DraftShapeChooser, chain_on_tree_step
-from rocdraft.spec_decode.realized_times import RealizedStepTimes, best_num_drafts, prior_times
+from rocdraft.spec_decode.realized_times import (RealizedStepTimes, best_num_drafts,
+                                                 prior_times, rescale)
 from rocdraft.spec_decode.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
 
 
@@ -143,7 +144,7 @@ class DraftPolicy:
             # own estimates have few samples where a batch of 8 only passes through)
             at_size, at_one = (prior_times(costs, b, cap) for b in (batch_size, 1))
             pooled = self.acceptance.pooled_rate
-            one = [t * (v1 + d1) / (vb + db) for t, vb, db, v1, d1
+            one = [rescale(t, v1 + d1, vb + db) for t, vb, db, v1, d1
                    in zip(times, *at_size, *at_one)]
             times = finish_step_times(
                 times, one, batch_size, self.acceptance.rates, list(outlook.remaining),

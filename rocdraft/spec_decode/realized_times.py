@@ -47,11 +47,11 @@ it was last drafted (at least MIN_PROBE_INTERVAL), so each other count costs at 
 PROBE_BUDGET of the throughput and all k of them together under 2%. Counts close to
 the best, whose estimates decide the choice, are re-measured often and cheaply; far ones
 rarely. Why: a count's first samples come from the sweep, at the first steps of the engine's
-life (cold caches, first-touch pages of the KV cache); on the built-in pair at bs 8 they put
-d = 1 at 9.6 ms where it runs 8.3, and with one probe every 64 steps the policy drafted
-d = 4 (1.61 tokens per ms) instead of d = 1 (1.71) for the whole run. A stale estimate that
-is too low corrects itself (the count is chosen, so sampled every step); one that is too
-high only by probes.
+life, the first of them at a row count oneDNN has not made kernels for (``robust_mean``); on
+the built-in pair at bs 8 they put d = 1 at 9.6 ms where it runs 8.3, and with one probe
+every 64 steps the policy drafted d = 4 (1.61 tokens per ms) instead of d = 1 (1.71) for the
+whole run. A stale estimate that is too low corrects itself (the count is chosen, so sampled
+every step); one that is too high only by probes.
 
 Worked example (k = 2, B = 1): realized verify {2: 12 ms} and draft {2: 4 ms}; prior
 StepCosts(10, 1, 0.5, 0.5, 1) ms gives verify 11, 12, 13 and draft 0, 1.5, 3 (``prior_times``):
@@ -155,7 +155,6 @@ def robust_mean(samples) -> float:
 @dataclass
 class _Bucket:
     steps: int = 0  # policy decisions taken in this bucket
-    probes: int = 0
     last: dict = field(default_factory=dict)  # d -> the policy step that last drafted it
     samples: int = 0  # steps recorded (the kept step times' version)
     step_times: dict = field(default_factory=dict)  # (B, prior, max d) -> (samples, times)
@@ -226,7 +225,6 @@ class RealizedStepTimes:
                      for d in range(self.min_drafts, len(step_times))}
             probe = due_probe(step_times, rates, best, since, self.min_drafts)
             choice = best if probe is None else probe
-            bucket.probes += probe is not None
         bucket.last[choice] = i
         return choice
 
