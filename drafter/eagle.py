@@ -72,9 +72,10 @@ class EagleProposer:
         shape = (plan.kv_caches, plan.hidden_size, plan.max_blocks_per_seq, plan.buckets)
         if plan.tree and self.tree_drafter is not None and self.tree_drafter.level_ends:
             self.tree_runner = TreeLoopRunner(self.tree_drafter, *shape,
-                                              use_graphs=plan.use_graphs)
+                                              use_graphs=plan.use_graphs, pool=plan.pool)
         if plan.chain and self.num_speculative_tokens > 1:
-            self.graph_runner = DraftLoopRunner(self, *shape, use_graphs=plan.use_graphs)
+            self.graph_runner = DraftLoopRunner(self, *shape, use_graphs=plan.use_graphs,
+                                                pool=plan.pool)
 
     def validate_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
         """All draft layers must share one KV-cache group: same block size, blocks, layout."""

@@ -89,12 +89,13 @@ def capture_one(run, pool) -> tuple["torch.cuda.CUDAGraph", int, object]:
     return graph, torch.cuda.memory_reserved() - before, output
 
 
-def capture_per_bucket(buckets: tuple[int, ...], loop
+def capture_per_bucket(buckets: tuple[int, ...], loop, pool=None
                        ) -> tuple[dict[int, "torch.cuda.CUDAGraph"], dict[int, int]]:
     """Capture ``loop(bucket)`` as one CUDA/HIP graph per bucket (``capture_one``), all in
-    one memory pool (largest bucket first, so the pool fits them all) -> (bucket -> graph,
-    bucket -> memory reserved by its capture)."""
-    pool = torch.cuda.graph_pool_handle()
+    ``pool`` (None: a new one; largest bucket first, so the pool fits them all) -> (bucket
+    -> graph, bucket -> memory reserved by its capture). ``loop`` must write its results
+    into buffers allocated outside the pool (other graphs may share it)."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     graphs, capture_bytes = {}, {}
     for bucket in sorted(buckets, reverse=True):
         graphs[bucket], capture_bytes[bucket], _ = capture_one(lambda: loop(bucket), pool)
@@ -107,7 +108,9 @@ class DraftGraphPlan:
     draft caches and shapes they need, the capture buckets, whether to capture
     (``use_graphs``; False replays the same static buffers eagerly, the CPU path), and
     which loops to build: the chain's k-draft loop (``chain``) and a tree's levels
-    (``tree``, when the proposer drafts trees deeper than one level)."""
+    (``tree``, when the proposer drafts trees deeper than one level); ``pool``: the graph
+    memory pool to capture in (the target forward's, rocdraft/engine/model_runner.py), None
+    for one of its own."""
 
     kv_caches: list
     hidden_size: int
@@ -116,14 +119,16 @@ class DraftGraphPlan:
     use_graphs: bool
     chain: bool
     tree: bool
+    pool: object = None
 
 
 class DraftLoopRunner:
     def __init__(self, proposer, kv_caches: list[LayerKVCache], hidden_size: int,
                  max_blocks_per_seq: int, buckets: tuple[int, ...], use_graphs: bool,
-                 max_seq_len: int | None = None) -> None:
+                 max_seq_len: int | None = None, pool=None) -> None:
         """``max_seq_len``: the longest sequence any captured step attends over (default and
-        maximum ``proposer.max_model_len``); batches that may need more run eagerly."""
+        maximum ``proposer.max_model_len``); batches that may need more run eagerly;
+        ``pool``: the graph memory pool to capture in (None: its own)."""
         steps = proposer.num_speculative_tokens - 1
         bound = proposer.max_model_len if max_seq_len is None else max_seq_len
         if not steps + 1 <= bound <= proposer.max_model_len:
@@ -144,7 +149,7 @@ class DraftLoopRunner:
         self.out = torch.zeros(largest, steps, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if use_graphs:
-            self._capture_all()
+            self._capture_all(pool)
 
     def accepts(self, batch_size: int, seq_len_bound: int | None = None) -> bool:
         """Whether ``run`` replays the captured loop for this batch (else it runs eagerly)."""
@@ -174,9 +179,9 @@ class DraftLoopRunner:
             self.hidden[:bucket], self.block_table[:bucket], self.kv_caches,
             seq_len_bound=self.max_seq_len - steps, out=self.out[:bucket])
 
-    def _capture_all(self) -> None:
+    def _capture_all(self, pool) -> None:
         self._pad_all()  # capture with padding rows only: nothing is written to the cache
-        self.graphs, self.capture_bytes = capture_per_bucket(self.buckets, self._loop)
+        self.graphs, self.capture_bytes = capture_per_bucket(self.buckets, self._loop, pool)
         log.info("captured the draft loop for buckets %s (max_seq_len %d, memory reserved "
                  "per capture %s)", list(self.buckets), self.max_seq_len, self.capture_bytes)
 

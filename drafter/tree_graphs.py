@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 class TreeLoopRunner:
     def __init__(self, drafter: TreeDrafter, kv_caches: list[LayerKVCache], hidden_size: int,
                  max_blocks_per_seq: int, buckets: tuple[int, ...], use_graphs: bool,
-                 max_seq_len: int | None = None) -> None:
+                 max_seq_len: int | None = None, pool=None) -> None:
         proposer = drafter.proposer
         self.drafter, self.kv_caches, self.proposer = drafter, kv_caches, proposer
         self.num_fed = drafter.level_ends[-1] if drafter.level_ends else 0
@@ -66,7 +66,7 @@ class TreeLoopRunner:
             if not drafter.is_static else None  # dynamic trees' node scores
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if use_graphs:
-            self._capture_all()
+            self._capture_all(pool)
 
     def _fits(self, seq_len_bound: int) -> bool:
         """Every level's seq_len stays <= max_seq_len (levels clamp at max_model_len)."""
@@ -91,8 +91,8 @@ class TreeLoopRunner:
         if self.scores is not None:
             self.scores[:bucket].copy_(drafts.scores)
 
-    def _capture_all(self) -> None:
-        self.graphs, self.capture_bytes = capture_per_bucket(self.buckets, self._loop)
+    def _capture_all(self, pool) -> None:
+        self.graphs, self.capture_bytes = capture_per_bucket(self.buckets, self._loop, pool)
         log.info("captured the tree loop for buckets %s (max_seq_len %d, memory reserved per "
                  "capture %s)", list(self.buckets), self.max_seq_len, self.capture_bytes)
 

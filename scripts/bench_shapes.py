@@ -135,22 +135,34 @@ def rocdraft_systems(args, target: Path, head: Path) -> dict[str, object]:
                   + args.num_speculative_tokens + 16,
                   attention_backend=args.attention_backend)
     spec = SpeculativeConfig("eagle", args.num_speculative_tokens, draft_policy="fixed")
-    systems = {"rocdraft": LLM(str(target), **common),
-               "rocdraft_chain": LLM(str(target), draft=str(head), speculative_config=spec,
-                                     **common)}
+    systems = {"rocdraft": _timed_start(lambda: LLM(str(target), **common)),
+               "rocdraft_chain": _timed_start(lambda: LLM(str(target), draft=str(head),
+                                                          speculative_config=spec, **common))}
     if args.compare_eager:  # the captured target forward's A/B (the same on the CPU)
-        systems["rocdraft_eager"] = LLM(str(target), enforce_eager=True, **common)
+        systems["rocdraft_eager"] = _timed_start(
+            lambda: LLM(str(target), enforce_eager=True, **common))
     if args.compare_unfused:  # the target reads ROCDRAFT_FUSED_KERNELS when it is built
         previous = os.environ.get("ROCDRAFT_FUSED_KERNELS")
         os.environ["ROCDRAFT_FUSED_KERNELS"] = "0"
         try:
-            systems["rocdraft_unfused"] = LLM(str(target), **common)
+            systems["rocdraft_unfused"] = _timed_start(lambda: LLM(str(target), **common))
         finally:
             if previous is None:
                 del os.environ["ROCDRAFT_FUSED_KERNELS"]
             else:
                 os.environ["ROCDRAFT_FUSED_KERNELS"] = previous
     return systems
+
+
+def _timed_start(build):
+    """``build()`` -> the LLM, with ``startup_s`` (construction: loading, KV allocation, graph
+    capture) and ``graph_mib`` (the captured graphs' pool memory, target and draft loops)."""
+    start = time.perf_counter()
+    llm = build()
+    llm.startup_s = time.perf_counter() - start
+    llm.graph_mib = {part: round(n / 2**20, 1) for part, n in llm.graph_memory().items()}
+    log(f"started in {llm.startup_s:.1f} s; graph memory {llm.graph_mib} MiB")
+    return llm
 
 
 def run_rocdraft(llm, prompts: list[list[int]], max_new_tokens: int, device: str) -> dict:
@@ -239,6 +251,8 @@ def measure(args, target: Path, head: Path) -> dict:
     profiles = {name: profile_generate(llm, prompts[smallest], args.profile_tokens, args.device)
                 for name, llm in systems.items()}
     log(f"profiles at bs {smallest}: {profiles}")
+    startup = {name: {"startup_s": round(llm.startup_s, 2), "graph_mib": llm.graph_mib}
+               for name, llm in systems.items()}
     backend = getattr(systems["rocdraft"], "backend", None)
     backend_name = getattr(backend, "name", str(backend))
     del llm  # the loops' last system: every reference goes before the transformers model loads
@@ -266,7 +280,7 @@ def measure(args, target: Path, head: Path) -> dict:
         del model
         _release_memory()
     return {"runs": results, "profile": profiles, "profiled_batch_size": smallest,
-            "attention_backend": backend_name}
+            "attention_backend": backend_name, "startup": startup}
 
 
 def summarize(args, measured: dict, bandwidth: float, weight_bytes: int) -> dict:
@@ -299,7 +313,8 @@ def summarize(args, measured: dict, bandwidth: float, weight_bytes: int) -> dict
             "roofline_tok_s_per_sequence": per_seq_roofline, "systems": systems,
             "spec_step_over_decode_step": ratio, "profile": measured["profile"],
             "profiled_batch_size": measured["profiled_batch_size"],
-            "attention_backend": measured["attention_backend"]}
+            "attention_backend": measured["attention_backend"],
+            "startup": measured["startup"]}
 
 
 def print_report(s: dict) -> None:
@@ -321,6 +336,10 @@ def print_report(s: dict) -> None:
     for bs, ratio in s["spec_step_over_decode_step"].items():
         print(f"  k={s['num_speculative_tokens']} chain step / decode step at bs {bs}: "
               f"{ratio:.2f}x")
+    for name, st in s["startup"].items():
+        print(f"  start-up {name}: {st['startup_s']:.1f} s; captured graphs' memory "
+              f"{st['graph_mib']['target']:.1f} MiB target, {st['graph_mib']['draft']:.1f} "
+              f"MiB draft loops")
     for name, p in s["profile"].items():
         gpu = (f"GPU busy {100 * p['gpu_busy_share']:.0f}%, {p['launches_per_step']:.0f} "
                f"launches/step, " if "gpu_busy_share" in p else "")

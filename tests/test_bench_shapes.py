@@ -51,6 +51,10 @@ def test_tiny_shape_on_cpu_reports_every_field(bench, tmp_path, capsys):
         profile = out["profile"][name]
         assert profile["steps"] > 0 and profile["host_syncs_per_step"] >= 0
         assert "gpu_busy_share" not in profile  # CUDA events only
+    assert set(out["startup"]) == {"rocdraft", "rocdraft_chain", "rocdraft_unfused",
+                                   "rocdraft_eager"}
+    for started in out["startup"].values():  # nothing is captured on the CPU
+        assert started["startup_s"] > 0 and started["graph_mib"] == {"target": 0, "draft": 0}
     index = json.loads((Path(out["checkpoint"]) / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) >= {"model.embed_tokens.weight", "lm_head.weight"}
 

@@ -5,7 +5,8 @@
   ROCM_AITER_FA only run fp16/bf16, where batch-shape-dependent rounding can flip a near-tie,
   so they are compared on a prefix);
 - the draft loop captured as CUDA/HIP graphs per bucket equals eager drafting;
-- the target forward captured per (bucket, query length) equals the eager engine for
+- the target forward captured at start-up per (bucket, query length), in the pool the draft
+  loops share, equals the eager engine for
   decode, chain and tree verification at every bucket of max_num_seqs 8, reports its
   capture memory, and
   a captured decode / verify step reads the device once;
@@ -224,18 +225,25 @@ def test_captured_target_forward_equals_eager(pair, backend, kind):
     captured = LLM(pair["target"], **kwargs)
     graphs = captured.model_runner.graphs
     assert graphs is not None and graphs.use_graphs
+    # Captured at start-up, in the pool the draft loops share (ModelRunner.graph_pool).
+    assert graphs.startup_keys and set(graphs.graphs) == graphs.startup_keys
+    assert graphs.pool is captured.model_runner.graph_pool is not None
     prompts = PROMPTS + [[2, 4, 6, 8], [5] * 7, [9, 8, 7]]
     for size in (1, 2, 3, 5):
         expected = [o.token_ids for o in eager.generate(prompts[:size], GREEDY)]
         assert [o.token_ids for o in captured.generate(prompts[:size], GREEDY)] == expected
-    assert graphs.graphs and all(b >= 0 for b in graphs.capture_bytes.values())
-    print(f"{backend} {kind}: {len(graphs.graphs)} target graphs, capture bytes "
-          f"{graphs.capture_bytes}")
+        if kind != "target":
+            assert captured.last_stats.acceptance_length > 1.5
+    assert all(b >= 0 for b in graphs.capture_bytes.values())
+    # Only prompt steps of one length meet a key first in a step.
+    assert all(q > 1 and drafts == 0 for _, q, drafts, _, _ in graphs.late_keys)
+    print(f"{backend} {kind}: {len(graphs.graphs)} target graphs, graph memory "
+          f"{captured.graph_memory()}, late keys {sorted(graphs.late_keys)}")
     engine = LLMEngine(pair["target"], **kwargs)
     for i, prompt in enumerate(prompts[:3]):
         engine.add_request(i, prompt, GREEDY)
     engine.step()
-    engine.step()  # captures this bucket's graph
+    engine.step()
     with count_syncs() as counter:
         engine.step()
     assert counter.total == 1, counter.counts

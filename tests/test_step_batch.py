@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from rocdraft.config import SamplingParams
 from rocdraft.core.request import Request, Status
 from rocdraft.core.scheduler import ScheduledRequest
-from rocdraft.core.step_batch import build_step_batch
+from rocdraft.core.step_batch import UniformShape, build_step_batch, padding_only_batch
+from rocdraft.core.step_inputs import StepInputBuffers
 
 BLOCK_SIZE = 4
 
@@ -309,3 +310,53 @@ def test_tree_verification_logits_equal_each_path_run_alone(tiny_target, attenti
                 at = parents[at]
             torch.testing.assert_close(rows[node + 1], alone(root_seq + path), **tol)
     torch.testing.assert_close(logits[batch.sample_indices[2, 0]], alone([5, 6, 7]), **tol)
+
+
+def _padded_views(batch) -> dict:
+    """(data_ptr, shape) of every padded input a captured target forward reads."""
+    padded, common = batch.padded, batch.padded.common
+    tensors = {"input_ids": padded.input_ids, "positions": padded.positions,
+               "sample_indices": padded.sample_indices,
+               "query_start_loc": common.query_start_loc, "seq_lens": common.seq_lens,
+               "block_table": common.block_table, "slot_mapping": common.slot_mapping,
+               "spec_mask": common.spec_mask}
+    return {name: None if t is None else (t.data_ptr(), tuple(t.shape))
+            for name, t in tensors.items()}
+
+
+@pytest.mark.parametrize("kind", ["decode", "chain", "tree"])
+def test_padding_only_batch_lays_out_like_a_real_batch_of_its_key(kind):
+    """A target forward captured at start-up on padding rows only replays real batches:
+    the padding-only batch of a (bucket, shape) puts every input at the address and shape
+    a real batch of that key does, writes no slot, and keeps the key's host integers."""
+    uploader = StepInputBuffers("cpu", 1 << 16)
+    rows = []
+    for rid in range(3):
+        drafts = {"decode": [], "chain": [50, 51], "tree": [50, 51, 52]}[kind]
+        req = make_request(rid, [1, 2, 3], [4], 3, [6 + rid, 9], drafts=drafts)
+        if kind == "tree":
+            req.spec_parents = [-1, -1, 0]
+        rows.append(ScheduledRequest(req, 1 + len(drafts), len(drafts)))
+    shape = {"decode": UniformShape(1, 0), "chain": UniformShape(3, 2),
+             "tree": UniformShape(4, 3, tree_mask=True)}[kind]
+    real = build_step_batch(rows, 3, BLOCK_SIZE, "cpu", uploader, pad_to=4)
+    real_views = _padded_views(real)
+    empty = padding_only_batch(shape, 4, 3, "cpu", uploader)
+    assert _padded_views(empty) == real_views
+    assert (empty.padded.common.max_query_len, empty.max_drafts) == \
+        (real.padded.common.max_query_len, real.max_drafts)
+    assert empty.padded.common.num_reqs == 4 and empty.common.num_reqs == 0
+    assert (empty.padded.common.slot_mapping == -1).all()
+    assert (empty.padded.common.block_table == -1).all()
+
+
+def test_uniform_shape_and_padding_only_batch_refuse_bad_input():
+    with pytest.raises(ValueError, match="num_drafts 1, query_len 1"):
+        UniformShape(1, 1)
+    with pytest.raises(ValueError, match="branching tree"):
+        UniformShape(2, 1, tree_mask=True)
+    with pytest.raises(ValueError, match="empty_shape goes with an empty padded batch"):
+        build_step_batch(three_kinds(), 3, BLOCK_SIZE, "cpu", pad_to=4,
+                         empty_shape=UniformShape(1, 0))
+    with pytest.raises(ValueError, match="empty_shape goes with"):
+        build_step_batch([], 3, BLOCK_SIZE, "cpu", StepInputBuffers("cpu", 4096), pad_to=4)

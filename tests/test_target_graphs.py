@@ -19,7 +19,8 @@ from rocdraft.core.scheduler import Scheduler
 from rocdraft.engine import LLM, LLMEngine
 from rocdraft.engine.args import EngineArgs
 from rocdraft.engine.model_runner import ModelRunner
-from rocdraft.engine.target_graphs import input_bytes_bound, target_graph_refusal
+from rocdraft.engine.target_graphs import (input_bytes_bound, startup_shapes,
+                                           target_graph_refusal)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # Five prompts: batches of 1..5 cross the buckets 1, 2, 4, 8 of max_num_seqs 8.
@@ -169,6 +170,57 @@ def test_replay_equals_eager_at_bucket_boundaries(pair, kind, seeded):
             assert replaying.last_stats.acceptance_length > 1.5
             assert replaying.last_stats.accepted_at_position == \
                 eager.last_stats.accepted_at_position
+    # Every decode and verify key was prepared at start-up (on a GPU: captured before the
+    # first request); only prompt steps of uniform length met a key first in a step.
+    assert graphs.startup_keys and graphs.num_replays > 0
+    assert all(q > 1 and drafts == 0 for _, q, drafts, _, _ in graphs.late_keys), \
+        graphs.late_keys
+
+
+def test_startup_shapes_examples_and_refusals():
+    def rows(shapes):
+        return [(s.query_len, s.num_drafts, s.tree_mask) for s in shapes]
+
+    assert rows(startup_shapes(3)) == [(1, 0, False), (2, 1, False), (3, 2, False),
+                                       (4, 3, False)]
+    assert rows(startup_shapes(0)) == [(1, 0, False)]
+    assert rows(startup_shapes(2, 5)) == [(1, 0, False), (2, 1, False), (3, 2, False),
+                                          (6, 5, True)]
+    with pytest.raises(ValueError, match="got -1, None"):
+        startup_shapes(-1)
+    with pytest.raises(ValueError, match="got 2, 1"):
+        startup_shapes(2, 1)
+
+
+@pytest.mark.parametrize("kind", ["target", "chain", "tree"])
+def test_startup_prepares_every_bucket_and_shape(pair, kind):
+    """The engine prepares (bucket, shape) keys at start-up: every bucket with decode and
+    each chain length its config may verify, and a tree config's full tree."""
+    llm = _llm(pair, kind, graph_mode="replay-eagerly")
+    graphs = llm.model_runner.graphs
+    aux = llm.draft_runner.aux_layer_ids if kind != "target" else ()
+    expected = {(b, d + 1, d, False, aux) for b in (1, 2, 4, 8)
+                for d in range(1 if kind == "target" else 4)}
+    if kind == "tree":  # the 5-node tree's full verification
+        expected |= {(b, 6, 5, True, aux) for b in (1, 2, 4, 8)}
+    assert graphs.startup_keys == expected
+    assert graphs.num_replays == 0 and not graphs.late_keys and not graphs.graphs
+
+
+def test_startup_preparation_writes_no_kv(pair):
+    """Canary: preparing every key on padding-only inputs leaves every KV-cache value as it
+    was (slot -1 everywhere), for decode, chains and a branching tree's mask."""
+    runner = ModelRunner(EngineArgs(pair[0], max_num_seqs=8, block_size=4, max_model_len=96,
+                                    graph_mode="replay-eagerly"), [], 5)
+    generator = torch.Generator().manual_seed(0)
+    for cache in runner.kv_caches:
+        cache.key.copy_(torch.randn(cache.key.shape, generator=generator))
+        cache.value.copy_(torch.randn(cache.value.shape, generator=generator))
+    canary = [(c.key.clone(), c.value.clone()) for c in runner.kv_caches]
+    runner.capture_target_graphs(startup_shapes(3, 4), ())
+    assert len(runner.graphs.startup_keys) == 4 * 5  # buckets 1, 2, 4, 8 x 5 shapes
+    for cache, (key, value) in zip(runner.kv_caches, canary):
+        assert torch.equal(cache.key, key) and torch.equal(cache.value, value)
 
 
 def test_preemption_and_requests_joining_and_leaving(pair):

@@ -321,9 +321,10 @@ def _run_bench(args) -> int:
         names = names_for(batch_size)
         _progress(done, total, f"bs {batch_size} warm-up")
         # First-use costs (JIT, allocator) are not timed. On a GPU the warm-up is the whole
-        # workload once: the target forward's graphs are captured on first use of each
-        # (bucket, query length) (rocdraft/engine/target_graphs.py), and a batch shrinking as
-        # its requests finish passes through buckets a short warm-up would not reach.
+        # workload once: a batch shrinking as its requests finish passes through buckets a
+        # short warm-up would not reach (Triton autotuning, allocator growth; the target
+        # forward's graphs are captured at start-up, rocdraft/engine/target_graphs.py, but a
+        # key first met later, such as a prompt step of uniform length, is captured then).
         warm_up = (batches, None) if base_llm.device != "cpu" else (batches[:1], 8)
         for name in names:
             systems[name](*warm_up)

@@ -14,6 +14,29 @@ from rocdraft.core.step_inputs import StepInputBuffers
 
 
 @dataclass(frozen=True)
+class UniformShape:
+    """What every row of a uniform batch computes: ``query_len`` tokens, the last
+    ``num_drafts`` of them drafts, verified with a tree mask (``tree_mask``, a branching tree)
+    or causally. With the bucket it names a captured target forward
+    (rocdraft/engine/target_graphs.py).
+
+    Example: decode (1, 0); chain verification of 3 drafts (4, 3); a 5-node tree (6, 5, True).
+    """
+
+    query_len: int
+    num_drafts: int
+    tree_mask: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_drafts < self.query_len:
+            raise ValueError(f"a uniform shape needs 0 <= num_drafts < query_len, got "
+                             f"num_drafts {self.num_drafts}, query_len {self.query_len}")
+        if self.tree_mask and self.num_drafts < 2:
+            raise ValueError(f"a tree mask needs a branching tree (>= 2 drafts), got "
+                             f"num_drafts {self.num_drafts}")
+
+
+@dataclass(frozen=True)
 class PaddedInputs:
     """A batch's inputs over every row of its bucket (padding rows after the real ones)."""
 
@@ -55,7 +78,8 @@ class StepBatch:
 def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
                      block_size: int, device: torch.device | str,
                      uploader: StepInputBuffers | None = None,
-                     pad_to: int | None = None) -> StepBatch:
+                     pad_to: int | None = None,
+                     empty_shape: UniformShape | None = None) -> StepBatch:
     """Token ids, positions, block table, slot mapping and sampling indices of one step,
     on the device after one host-to-device copy (rocdraft/core/step_inputs.py).
 
@@ -74,13 +98,22 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     them; padding rows are q tokens of id 0 at position 0 with slot -1 (never written),
     seq_len q, an all -1 block-table row and no drafts. The batch's own tensors are views
     of the first rows.
+
+    ``empty_shape`` (with no requests and ``pad_to``): a batch of padding rows only, of that
+    shape (``padding_only_batch``).
     """
+    if (empty_shape is not None) != (not scheduled and pad_to is not None):
+        raise ValueError("empty_shape goes with an empty padded batch (no requests, pad_to), "
+                         f"got {len(scheduled)} requests, pad_to {pad_to}, empty_shape "
+                         f"{empty_shape}")
     ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
-    max_drafts = max((s.num_draft_tokens for s in scheduled), default=0)
+    max_drafts = max((s.num_draft_tokens for s in scheduled), default=0) \
+        if empty_shape is None else empty_shape.num_drafts
     sample_rows, draft_rows, backups, table_rows = [], [], [], []
     tree_parents: list[list[int]] = []
     image_rows = []  # (request, start, tokens computed, drafts) for rocdraft/core/multimodal.py
-    is_tree = any(s.request.spec_parents for s in scheduled if s.num_draft_tokens)
+    is_tree = any(s.request.spec_parents for s in scheduled if s.num_draft_tokens) or \
+        (empty_shape is not None and empty_shape.tree_mask)
     for item in scheduled:
         req, n, d = item.request, item.num_new_tokens, item.num_draft_tokens
         start = req.num_computed_tokens
@@ -118,10 +151,12 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     discard = [not s for s in samples]
     # A chain's tree mask is the causal one (rocdraft/spec_decode/draft_shape.py drafts chains
     # in tree mode): only a branching tree needs it.
-    branching = is_tree and not all(p == list(range(-1, len(p) - 1)) for p in tree_parents)
+    branching = is_tree and not all(p == list(range(-1, len(p) - 1)) for p in tree_parents) \
+        if empty_shape is None else empty_shape.tree_mask
     real_seq_lens, real_qsl = list(seq_lens), list(qsl)
     if pad_to is not None:
-        q = _uniform_query_len(scheduled, pad_to)
+        q = _uniform_query_len(scheduled, pad_to) if empty_shape is None \
+            else empty_shape.query_len
         for _ in range(pad_to - num_reqs):  # padding rows (see the docstring)
             first = qsl[-1]
             ids += [0] * q
@@ -198,6 +233,16 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         draft_parents=first("draft_parents", num_reqs) if is_tree else None,
         target_splice=images and images.target_splice, head_splice=images and images.head_splice,
         padded=padded)
+
+
+def padding_only_batch(shape: UniformShape, bucket: int, max_blocks_per_seq: int,
+                       device: torch.device | str, uploader: StepInputBuffers) -> StepBatch:
+    """A batch of ``bucket`` padding rows of ``shape`` in the uploader's persistent buffer,
+    laid out as a real uniform batch of that shape and bucket is (the same sections at the
+    same offsets), so a target forward captured on it replays real batches; it writes no
+    KV (every slot -1). Its real part is empty (``batch.padded`` holds the rows)."""
+    return build_step_batch([], max_blocks_per_seq, 1, device, uploader, pad_to=bucket,
+                            empty_shape=shape)
 
 
 def _uniform_query_len(scheduled: list[ScheduledRequest], pad_to: int) -> int:

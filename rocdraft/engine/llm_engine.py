@@ -27,6 +27,7 @@ from rocdraft.drafter.tree_spec import draft_lookahead
 from rocdraft.engine.args import EngineArgs
 from rocdraft.engine.loading import load_draft_runner
 from rocdraft.engine.model_runner import ModelRunner
+from rocdraft.engine.target_graphs import startup_shapes
 from rocdraft.engine.request_updates import apply_step, batch_outlook, read_step, step_record
 from rocdraft.errors import RocdraftError
 from rocdraft.outputs import GenerationStats, RequestOutput
@@ -63,6 +64,9 @@ class LLMEngine:
         self.draft_runner = load_draft_runner(
             args, self.model_runner, self.tree, self.policy.shape_chooser is not None) \
             if spec else None
+        self.model_runner.capture_target_graphs(
+            _startup_shapes(spec, self.tree),
+            self.draft_runner.aux_layer_ids if self.draft_runner is not None else ())
         self.scheduler = Scheduler(self.model_runner.scheduler_config)
         self.requests: dict = {}  # request id -> Request, in flight (added, not yet reported done)
         # Counters over every step this engine ran (generate() also keeps its own call's);
@@ -124,6 +128,17 @@ class LLMEngine:
     @property
     def scheduler_config(self):
         return self.model_runner.scheduler_config
+
+    def graph_memory(self) -> dict[str, int]:
+        """Bytes the captured graphs reserved in their shared pool (each capture's growth of
+        the reserved memory, summed): ``target`` (the target forward's keys) and ``draft``
+        (the chain loop and tree levels); 0 where nothing was captured (the CPU, eager)."""
+        graphs = self.model_runner.graphs
+        proposer = self.draft_runner.proposer if self.draft_runner is not None else None
+        loops = [getattr(proposer, name, None) for name in ("graph_runner", "tree_runner")]
+        return {"target": sum(graphs.capture_bytes.values()) if graphs is not None else 0,
+                "draft": sum(sum(loop.capture_bytes.values()) for loop in loops
+                             if loop is not None)}
 
     # --- the step API ----------------------------------------------------------------------
 
@@ -311,6 +326,19 @@ class LLMEngine:
         if spec is None:
             return 0
         return self.tree.depth if self.tree is not None else spec.num_speculative_tokens
+
+
+def _startup_shapes(spec, tree) -> tuple:
+    """The uniform batch shapes this config's steps run (engine/target_graphs.py
+    ``startup_shapes``): decode; chains of 1..k drafts (in a tree config at most the
+    tree's depth); a branching tree's full verification."""
+    if spec is None:
+        return startup_shapes(0)
+    k = spec.num_speculative_tokens
+    if tree is None:
+        return startup_shapes(k)
+    branching = tree.num_nodes > tree.depth
+    return startup_shapes(min(k, tree.depth), tree.num_nodes if branching else None)
 
 
 def _has_prefill(scheduled: list[ScheduledRequest]) -> bool:

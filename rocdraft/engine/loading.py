@@ -105,4 +105,5 @@ def load_draft_runner(args, runner, tree, chain_in_tree_mode: bool):
                          cfg.max_blocks_per_seq)
     return DraftRunner(head, selection, spec, tree, limits,
                        runner.target.config.num_hidden_layers, runner.target.config.vocab_size,
-                       runner.torch_dtype, device, args.graph_mode, chain_in_tree_mode)
+                       runner.torch_dtype, device, args.graph_mode, chain_in_tree_mode,
+                       graph_pool=runner.graph_pool)

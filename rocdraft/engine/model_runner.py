@@ -26,7 +26,8 @@ from rocdraft.backends.kv_cache import allocate_kv_cache
 from rocdraft.config import SchedulerConfig
 from rocdraft.core.kv_budget import kv_bytes_per_block, plan_kv_cache
 from rocdraft.core.scheduler import ScheduledRequest
-from rocdraft.core.step_batch import StepBatch, build_step_batch
+from rocdraft.core.step_batch import (StepBatch, UniformShape, build_step_batch,
+                                      padding_only_batch)
 from rocdraft.core.step_inputs import StepInputBuffers
 from rocdraft.distributed.engine_setup import start_tensor_parallel, worker_spec
 from rocdraft.drafter.graphs import capture_buckets
@@ -108,6 +109,9 @@ class ModelRunner:
                                            args.block_size, num_kv_heads, head_dim,
                                            self.torch_dtype, self.device)
         self.sampling_cache = SamplingTensorCache()  # a batch's sampling tensors, kept
+        # The graph memory pool the target forward's graphs are captured in (None where they
+        # are not captured); the draft loops capture in it too (engine/loading.py).
+        self.graph_pool = None
         self.graphs, self.graph_refusal = self._graph_runner(args, num_lookahead_tokens)
         cfg = self.scheduler_config
         self.step_inputs = StepInputBuffers(self.device, 0 if self.graphs is None else
@@ -130,6 +134,8 @@ class ModelRunner:
             log.info("target forward runs eagerly: %s", refusal)
         if refusal is not None and not replay:
             return None, refusal
+        if refusal is None:  # one pool for every graph: the target's and the draft loops'
+            self.graph_pool = torch.cuda.graph_pool_handle()
         buckets = capture_buckets(args.max_num_seqs)
         _, num_kv_heads, head_dim = self.target.kv_cache_spec()
         runner = TargetGraphRunner(self.target, self.builder, self.kv_caches, buckets,
@@ -137,8 +143,28 @@ class ModelRunner:
                                    max_seq_len=captured_seq_len(
                                        self.backend, self.max_model_len, buckets[-1],
                                        num_kv_heads, head_dim, num_lookahead_tokens + 1),
-                                   use_graphs=refusal is None)
+                                   use_graphs=refusal is None, pool=self.graph_pool)
         return runner, refusal
+
+    def capture_target_graphs(self, shapes: tuple[UniformShape, ...],
+                              aux_layer_ids: tuple[int, ...]) -> None:
+        """Capture the target forward for every bucket and shape now (start-up: no request
+        holds KV, and capture writes none anyway), so no step pays a capture; on the CPU
+        with ``graph_mode="replay-eagerly"`` each key runs once on its padding-only inputs.
+        Nothing to do without a graph runner."""
+        if self.graphs is None:
+            return
+        cfg, start = self.scheduler_config, time.perf_counter()
+        count = self.graphs.capture(
+            shapes, aux_layer_ids,
+            lambda shape, bucket: padding_only_batch(shape, bucket, cfg.max_blocks_per_seq,
+                                                     self.device, self.step_inputs))
+        log.info("target forward: %d keys %s at start-up in %.2f s (buckets %s, shapes %s)%s",
+                 count, "captured" if self.graphs.use_graphs else "prepared (run eagerly)",
+                 time.perf_counter() - start, list(self.graphs.buckets),
+                 [(s.query_len, s.num_drafts, s.tree_mask) for s in shapes],
+                 f", {sum(self.graphs.capture_bytes.values()) / 2**20:.1f} MiB of graph memory"
+                 if self.graphs.use_graphs else "")
 
     def start_workers(self, target: str) -> None:
         """Start the TP workers once rank 0 is built (they load their shards of ``target``

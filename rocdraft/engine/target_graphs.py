@@ -15,9 +15,17 @@ vary every step.
 Key: (bucket, q, drafts per row, tree mask or not, aux layers). The host integers the
 forward reads (rows, tokens, ``max_query_len``, and ``max_seq_len`` = this runner's bound)
 follow from the key alone, so a replay with new inputs runs exactly what was captured.
-Graphs are captured on first use of a key (two warm-up runs on a side stream, then the
-capture; their writes are the very K/V the step writes, so repeating them is harmless), all
-in one memory pool; ``capture_bytes`` records each capture's pool growth.
+Graphs are captured at start-up (``capture``) for every bucket and the shapes an engine's
+config runs uniformly (``startup_shapes``: decode, chain verification of each draft count
+the policy may pick, a branching tree's full verification), on batches of padding rows
+only (``padding_only_batch``: same layout, slot -1, so capture writes no KV); a key met
+later (a tree cut to a node budget, a prompt chunk of uniform length) is captured on first
+use, logged. Each capture is two warm-up runs on a side stream, then the capture, in the
+memory pool the draft loop's graphs use too (``ModelRunner.graph_pool``): that sharing is
+safe because no graph's output is read after another graph of the pool replays (the target's
+hidden states are consumed by the logits and the head's first forward, eagerly, before the
+draft loop replays; the draft loops write into buffers allocated outside the pool).
+``capture_bytes`` records each capture's pool growth.
 
 On the CPU (no graphs) the very same function runs eagerly on the same padded static
 inputs: tests compare it against the unpadded eager forward.
@@ -35,7 +43,7 @@ import torch
 
 from rocdraft.drafter.graphs import capture_one, graph_capture_refusal
 from rocdraft.core.scheduler import ScheduledRequest
-from rocdraft.core.step_batch import StepBatch
+from rocdraft.core.step_batch import StepBatch, UniformShape
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +92,39 @@ def captured_seq_len(backend, max_model_len: int, largest_bucket: int, num_kv_he
     return min(max_model_len, max(GATHER_BUDGET_BYTES // per_position, max_query_len))
 
 
+def startup_shapes(max_chain_drafts: int, tree_nodes: int | None = None
+                   ) -> tuple[UniformShape, ...]:
+    """The uniform shapes an engine captures at start-up: decode (a d = 0 step or
+    target-only), chain verification of every draft count 1..``max_chain_drafts`` (the draft
+    policy picks d per step), and with ``tree_nodes`` a branching tree's full verification.
+
+    Example: 3 -> (1, 0), (2, 1), (3, 2), (4, 3); 0 (target-only) -> (1, 0);
+    2, tree_nodes 5 -> (1, 0), (2, 1), (3, 2), (6, 5, tree mask).
+    """
+    if max_chain_drafts < 0 or tree_nodes is not None and tree_nodes < 2:
+        raise ValueError(f"max_chain_drafts must be >= 0 and tree_nodes None or >= 2, got "
+                         f"{max_chain_drafts}, {tree_nodes}")
+    shapes = tuple(UniformShape(d + 1, d) for d in range(max_chain_drafts + 1))
+    if tree_nodes is not None:
+        shapes += (UniformShape(tree_nodes + 1, tree_nodes, tree_mask=True),)
+    return shapes
+
+
+def graph_key(batch: StepBatch, aux_layer_ids: tuple[int, ...]) -> tuple:
+    """(bucket, q, drafts per row, tree mask or not, aux layers) of a padded batch."""
+    common = batch.padded.common
+    return (common.num_reqs, common.max_query_len, batch.max_drafts,
+            common.spec_mask is not None, tuple(aux_layer_ids))
+
+
 class TargetGraphRunner:
     def __init__(self, target, builder, kv_caches: list, buckets: tuple[int, ...],
-                 max_query_len: int, max_seq_len: int, use_graphs: bool) -> None:
+                 max_query_len: int, max_seq_len: int, use_graphs: bool, pool=None) -> None:
         """``max_query_len``: the longest uniform query it runs (1 + a step's drafts);
         ``max_seq_len``: the longest sequence a captured forward attends over (a host bound
         backends may size work buffers by: TORCH_SDPA gathers [bucket, max_seq_len] keys
-        per layer, drafter/graphs.py ``sdpa_gather_bytes``)."""
+        per layer, drafter/graphs.py ``sdpa_gather_bytes``); ``pool``: the graph memory
+        pool to capture in (None: a pool of its own)."""
         self.target, self.builder, self.kv_caches = target, builder, kv_caches
         self.buckets = tuple(sorted(buckets))
         self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
@@ -98,8 +132,13 @@ class TargetGraphRunner:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, object] = {}  # key -> the captured forward's output
         self.capture_bytes: dict[tuple, int] = {}
-        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.pool = pool if pool is not None or not use_graphs \
+            else torch.cuda.graph_pool_handle()
         self.num_replays = 0  # steps this runner ran (replayed, or eagerly on the CPU)
+        # Keys prepared by ``capture`` (captured, or run once eagerly on the CPU), and keys a
+        # step met first (captured then, on a GPU, in the middle of serving).
+        self.startup_keys: set[tuple] = set()
+        self.late_keys: set[tuple] = set()
 
     def bucket_for(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The bucket this runner runs the batch in, or None when it runs eagerly
@@ -117,10 +156,11 @@ class TargetGraphRunner:
     def forward(self, batch: StepBatch, aux_layer_ids: tuple[int, ...]):
         """The target forward of a padded batch -> its TargetOutput over the real tokens
         (views of the static outputs: valid until the next step)."""
-        padded = batch.padded
-        common = padded.common
-        key = (common.num_reqs, common.max_query_len, batch.max_drafts,
-               common.spec_mask is not None, tuple(aux_layer_ids))
+        key = graph_key(batch, aux_layer_ids)
+        if key not in self.startup_keys and key not in self.late_keys:
+            self.late_keys.add(key)
+            log.info("target forward key %s (bucket, q, drafts, tree mask, aux) first met in "
+                     "a step%s", key, ": capturing it now" if self.use_graphs else "")
         if not self.use_graphs:
             out = self._run(batch, aux_layer_ids)
         else:
@@ -133,6 +173,29 @@ class TargetGraphRunner:
         return type(out)(out.hidden_states[:tokens],
                          tuple(a[:tokens] for a in out.aux_hidden_states))
 
+    def capture(self, shapes: tuple[UniformShape, ...], aux_layer_ids: tuple[int, ...],
+                make_batch) -> int:
+        """Prepare every (bucket, shape) key with q <= max_query_len, largest bucket first
+        (the pool then fits the smaller ones): captured on a GPU, run once eagerly on the
+        CPU (the same padded inputs). ``make_batch(shape, bucket)``: a padding-only batch
+        (rocdraft/core/step_batch.py ``padding_only_batch``) -> keys newly prepared."""
+        done = 0
+        for bucket in sorted(self.buckets, reverse=True):
+            for shape in shapes:
+                if shape.query_len > self.max_query_len:
+                    continue
+                batch = make_batch(shape, bucket)
+                key = graph_key(batch, aux_layer_ids)
+                if key in self.startup_keys:
+                    continue
+                if self.use_graphs:
+                    self._capture(key, batch, aux_layer_ids)
+                else:
+                    self._run(batch, aux_layer_ids)
+                self.startup_keys.add(key)
+                done += 1
+        return done
+
     def _run(self, batch: StepBatch, aux_layer_ids: tuple[int, ...]):
         """The forward on the static inputs, with the key's host integers."""
         padded = batch.padded
@@ -144,5 +207,5 @@ class TargetGraphRunner:
     def _capture(self, key: tuple, batch: StepBatch, aux_layer_ids: tuple[int, ...]) -> None:
         self.graphs[key], self.capture_bytes[key], self.outputs[key] = capture_one(
             lambda: self._run(batch, aux_layer_ids), self.pool)
-        log.info("captured the target forward for (bucket, q, drafts, tree mask, aux) %s: "
-                 "%d bytes reserved", key, self.capture_bytes[key])
+        log.debug("captured the target forward for (bucket, q, drafts, tree mask, aux) %s: "
+                  "%d bytes reserved", key, self.capture_bytes[key])

@@ -59,11 +59,12 @@ class DraftRunner:
     def __init__(self, head: torch.nn.Module, selection: registry.Selection,
                  spec: SpeculativeConfig, tree, limits: DraftLimits, num_target_layers: int,
                  vocab_size: int, dtype: torch.dtype, device: str, graph_mode: str = "auto",
-                 chain_in_tree_mode: bool = False) -> None:
+                 chain_in_tree_mode: bool = False, graph_pool=None) -> None:
         """``selection``: the head's attention backend as the registry chose it;
         ``chain_in_tree_mode``: a tree config that may draft chains (the policy's shape
         chooser), whose chains replay the captured k-draft loop when the tree is at least
-        k deep; ``graph_mode`` as in EngineArgs."""
+        k deep; ``graph_mode`` as in EngineArgs; ``graph_pool``: the memory pool its graphs
+        are captured in (the target forward's, ModelRunner.graph_pool; None: their own)."""
         k = spec.num_speculative_tokens
         self.head, self.spec, self.tree = head, spec, tree
         self.backend, self.backend_reason = selection.backend, selection.reason
@@ -84,7 +85,7 @@ class DraftRunner:
                 self.kv_caches, head.config.hidden_size, limits.max_blocks_per_seq,
                 capture_buckets(limits.max_num_seqs), use_graphs=self.graph_refusal is None,
                 chain=tree is None or (chain_in_tree_mode and tree.depth >= k),
-                tree=tree is not None)
+                tree=tree is not None, pool=graph_pool)
         self.proposer = EagleProposer(
             head, self.backend, k, max_num_tokens=limits.max_num_batched_tokens,
             max_num_seqs=limits.max_num_seqs, max_model_len=limits.max_model_len,
