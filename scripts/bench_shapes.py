@@ -19,6 +19,8 @@ the GPU at once). Also:
 
 - ``--compare-eager``: target-only again with ``enforce_eager`` (the target forward not
   captured: the A/B of rocdraft/engine/target_graphs.py; identical on the CPU).
+- ``--compare-sync``: target-only again with ``async_scheduling=False`` (the A/B of async
+  decode, rocdraft/engine/overlap.py, on by default on a GPU; the same on the CPU).
 - ``--compare-unfused``: target-only again with the fused Triton kernels off (an A/B of
   models/fused_layers.py, interleaved with the others; on the CPU both rows run the same code);
 - the spec-step / decode-step time ratio: wall time per engine step (prefill included) of the
@@ -75,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-tokens", type=int, default=16, help="tokens of the profiled run")
     p.add_argument("--compare-eager", action="store_true",
                    help="also target-only with enforce_eager (no captured target forward)")
+    p.add_argument("--compare-sync", action="store_true",
+                   help="also target-only with async_scheduling off (A/B of async decode, "
+                        "rocdraft/engine/overlap.py; on by default on a GPU, off on the CPU)")
     p.add_argument("--compare-unfused", action="store_true",
                    help="also time target-only with ROCDRAFT_FUSED_KERNELS=0 (A/B of the fused "
                         "kernels; a third copy of the weights in memory)")
@@ -141,6 +146,9 @@ def rocdraft_systems(args, target: Path, head: Path) -> dict[str, object]:
     if args.compare_eager:  # the captured target forward's A/B (the same on the CPU)
         systems["rocdraft_eager"] = _timed_start(
             lambda: LLM(str(target), enforce_eager=True, **common))
+    if args.compare_sync:  # async decode's A/B (the CPU runs both synchronously by default)
+        systems["rocdraft_sync"] = _timed_start(
+            lambda: LLM(str(target), async_scheduling=False, **common))
     if args.compare_unfused:  # the target reads ROCDRAFT_FUSED_KERNELS when it is built
         previous = os.environ.get("ROCDRAFT_FUSED_KERNELS")
         os.environ["ROCDRAFT_FUSED_KERNELS"] = "0"
@@ -251,7 +259,7 @@ def measure(args, target: Path, head: Path) -> dict:
     profiles = {name: profile_generate(llm, prompts[smallest], args.profile_tokens, args.device)
                 for name, llm in systems.items()}
     log(f"profiles at bs {smallest}: {profiles}")
-    startup = {name: {"startup_s": round(llm.startup_s, 2), "graph_mib": llm.graph_mib}
+    startup = {name: {"startup_s": round(llm.startup_s, 3), "graph_mib": llm.graph_mib}
                for name, llm in systems.items()}
     backend = getattr(systems["rocdraft"], "backend", None)
     backend_name = getattr(backend, "name", str(backend))

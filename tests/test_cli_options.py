@@ -62,7 +62,10 @@ def test_target_alone_runs_without_speculation(ckpt):
     kwargs = make_llm_kwargs(parse("--target", ckpt["target"], "--dtype", "float16"))
     assert (kwargs["method"], kwargs["draft"], kwargs["speculative_config"]) == ("none", None,
                                                                                  None)
-    assert kwargs["dtype"] == "float16"
+    assert kwargs["dtype"] == "float16" and "async_scheduling" not in kwargs  # auto
+    for flag, value in (("on", True), ("off", False)):
+        kwargs = make_llm_kwargs(parse("--target", ckpt["target"], "--async-scheduling", flag))
+        assert kwargs["async_scheduling"] is value
 
 
 @pytest.mark.parametrize("argv, fragment", [

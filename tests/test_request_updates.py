@@ -25,7 +25,7 @@ def _prefilled(prompts: list[list[int]]):
         scheduler.add(req)
     scheduled = scheduler.schedule()
     batch = build_step_batch(scheduled, CONFIG.max_blocks_per_seq, CONFIG.block_size, "cpu")
-    apply_step(scheduler, scheduled, batch, [[7], [8]], None, GenerationStats(2),
+    apply_step(scheduler, scheduled, batch.samples, [[7], [8]], None, GenerationStats(2),
                CONFIG.max_model_len)
     return scheduler, requests
 
@@ -38,7 +38,7 @@ def test_chain_drafts_are_verified_appended_and_stored_within_the_context():
     batch = build_step_batch(scheduled, CONFIG.max_blocks_per_seq, CONFIG.block_size, "cpu")
     stats = GenerationStats(num_speculative_tokens=2)
     # a: both drafts accepted + bonus 21; b: first draft rejected, the target's 22 instead.
-    results = apply_step(scheduler, scheduled, batch, [[11, 12, 21], [22, -1, -1]],
+    results = apply_step(scheduler, scheduled, batch.samples, [[11, 12, 21], [22, -1, -1]],
                          [[30, 31], [32, 33]], stats, CONFIG.max_model_len, per_request=2)
     assert [(r.request_id, tokens) for r, tokens in results.advanced] == \
         [(0, [11, 12, 21]), (1, [22])]
@@ -58,7 +58,7 @@ def test_drafts_past_max_model_len_are_cut_and_a_tree_keeps_a_bfs_prefix():
     batch = build_step_batch(scheduled, CONFIG.max_blocks_per_seq, CONFIG.block_size, "cpu")
     trees = [([30, 31, 32], [-1, 0, 0], [-0.1, -0.2, -0.3]),
              ([33, 34, 35], [-1, -1, 0], [-0.4, -0.5, -0.6])]
-    apply_step(scheduler, scheduled, batch, [[21], [22]], trees, GenerationStats(3),
+    apply_step(scheduler, scheduled, batch.samples, [[21], [22]], trees, GenerationStats(3),
                CONFIG.max_model_len, per_request=3)
     assert (a.spec_token_ids, a.spec_parents, a.spec_scores) == trees[0]
     # b holds 10 tokens of max_model_len 12: room for 2 of its 3 nodes (a BFS prefix).
@@ -74,7 +74,7 @@ def test_a_scored_tree_returns_its_row_and_counts_as_a_tree_step():
     scheduled = scheduler.schedule()
     batch = build_step_batch(scheduled, CONFIG.max_blocks_per_seq, CONFIG.block_size, "cpu")
     stats = GenerationStats(num_speculative_tokens=2)
-    results = apply_step(scheduler, scheduled, batch, [[30, 31, 40, -1], [41, -1, -1, -1]],
+    results = apply_step(scheduler, scheduled, batch.samples, [[30, 31, 40, -1], [41, -1, -1, -1]],
                          None, stats, CONFIG.max_model_len, tree_paths=[[0, 1], [-1, -1]])
     assert results.tree_rows == [([-0.1, -0.2, -0.3], [0, 1])]
     assert stats.num_tree_verify_steps == 1 and stats.num_verified_nodes == 3
@@ -88,7 +88,7 @@ def test_a_finished_request_frees_its_blocks_and_keeps_no_drafts():
     scheduler.add(short)
     scheduled = scheduler.schedule()
     batch = build_step_batch(scheduled, CONFIG.max_blocks_per_seq, CONFIG.block_size, "cpu")
-    results = apply_step(scheduler, scheduled, batch, [[9]], [[5, 6]], GenerationStats(2),
+    results = apply_step(scheduler, scheduled, batch.samples, [[9]], [[5, 6]], GenerationStats(2),
                          CONFIG.max_model_len, per_request=2)
     assert short.is_finished and results.advanced == [(short, [9])]
     assert short.spec_token_ids == []  # no drafts for a finished request

@@ -346,6 +346,49 @@ def test_openai_stream_closed_mid_way_aborts(server, client):
     assert llm.stats.generated_tokens - generated < 200  # aborted, not run to the end
 
 
+def test_async_decode_server_streams_the_tokens_of_generate(target_with_template):
+    """A target-only engine with async decode (rocdraft/engine/overlap.py: each decode step
+    launched before the previous one lands) serves 8 concurrent clients, streaming and
+    not, the synchronous engine's tokens; a stream closed mid-way aborts its request while
+    its next step is in flight, and every block comes back."""
+    kwargs = dict(max_model_len=256, max_num_seqs=8, graph_mode="replay-eagerly")
+    llm = LLM(target_with_template, async_scheduling=True, **kwargs)
+    prompts = [f"y{i} = {i} +" for i in range(8)]
+    expected = LLM(target_with_template, **kwargs).generate(prompts, GREEDY)
+    settings = ServeSettings(model_name=MODEL, max_model_len=llm.max_model_len, max_num_seqs=8,
+                             max_waiting_requests=0, api_key=KEY,
+                             chat_template=llm.tokenizer.chat_template,
+                             special_tokens=llm.tokenizer.special_tokens,
+                             max_request_bytes=MAX_REQUEST_BYTES,
+                             vocab_size=llm.model_runner.target.config.vocab_size,
+                             max_token_bytes=llm.tokenizer.max_token_bytes)
+    srv, thread, port = start_in_thread(llm, settings, shutdown_timeout=5, log_level="warning")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+    try:
+        def one(i):
+            if i % 2:
+                stream = client.completions.create(model=MODEL, prompt=prompts[i], stream=True,
+                                                   max_tokens=MAX_TOKENS, temperature=0,
+                                                   extra_body=ids_body())
+                return [t for c in stream if c.choices for t in c.choices[0].token_ids]
+            r = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body=ids_body())
+            return r.choices[0].token_ids
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, range(8))) == [e.token_ids for e in expected]
+        assert llm.overlap.num_overlapped > 0
+        stream = client.completions.create(model=MODEL, prompt="while True:", max_tokens=200,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert next(iter(stream)).choices[0].finish_reason is None
+        stream.close()
+        wait_blocks_free(llm)
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
 def test_non_streaming_client_gone_aborts(server):
     url, llm, _ = server
     generated = llm.stats.generated_tokens

@@ -108,6 +108,18 @@ class Scheduler:
                                f"{self.config.block_size}); raise num_blocks")
         return scheduled
 
+    def reserve(self, needs: list[tuple[Request, int]]) -> bool:
+        """Blocks for each request to hold its given number of tokens (plus the lookahead,
+        capped at max_model_len), for all of them or none -> whether they were allocated.
+        Async decode (rocdraft/engine/overlap.py) reserves a step ahead of ``schedule``."""
+        extra = [(req, self._blocks_for(req, tokens - req.num_computed_tokens))
+                 for req, tokens in needs]
+        if not self.allocator.can_allocate(sum(n for _, n in extra)):
+            return False
+        for req, n in extra:
+            req.block_ids += self.allocator.allocate(n)
+        return True
+
     def finish(self, req: Request) -> None:
         """Release a finished request's blocks."""
         if req in self.running:

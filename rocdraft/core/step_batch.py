@@ -69,6 +69,11 @@ class StepBatch:
     # A batch padded to a graph bucket (``build_step_batch(pad_to=...)``): the full padded
     # inputs in the graph runner's persistent buffer; None otherwise.
     padded: "PaddedInputs | None" = None
+    # A decode step launched before the previous step landed (rocdraft/engine/overlap.py):
+    # per request the row of the previous step whose sampled token is its one input token
+    # [batch_size] int64 (``input_ids`` holds 0 there until ``overlap.fill_inputs``); None
+    # otherwise.
+    input_sources: torch.Tensor | None = None
 
     @property
     def max_drafts(self) -> int:
@@ -79,7 +84,8 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
                      block_size: int, device: torch.device | str,
                      uploader: StepInputBuffers | None = None,
                      pad_to: int | None = None,
-                     empty_shape: UniformShape | None = None) -> StepBatch:
+                     empty_shape: UniformShape | None = None,
+                     in_flight: list[tuple[int, int]] | None = None) -> StepBatch:
     """Token ids, positions, block table, slot mapping and sampling indices of one step,
     on the device after one host-to-device copy (rocdraft/core/step_inputs.py).
 
@@ -101,6 +107,12 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
 
     ``empty_shape`` (with no requests and ``pad_to``): a batch of padding rows only, of that
     shape (``padding_only_batch``).
+
+    ``in_flight`` (async decode, rocdraft/engine/overlap.py): per request (tokens of it that
+    a launched step computes and that have not landed yet, the row of that step whose
+    sampled token is its input). Every request then decodes one token at position
+    ``num_computed_tokens + tokens``, whose id is not on the host yet: ``input_ids`` holds
+    0 there, ``input_sources`` the row, and the request samples.
     """
     if (empty_shape is not None) != (not scheduled and pad_to is not None):
         raise ValueError("empty_shape goes with an empty padded batch (no requests, pad_to), "
@@ -114,11 +126,19 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     image_rows = []  # (request, start, tokens computed, drafts) for rocdraft/core/multimodal.py
     is_tree = any(s.request.spec_parents for s in scheduled if s.num_draft_tokens) or \
         (empty_shape is not None and empty_shape.tree_mask)
-    for item in scheduled:
+    if in_flight is not None and (len(in_flight) != len(scheduled) or any(
+            s.num_new_tokens != 1 or s.num_draft_tokens for s in scheduled)):
+        raise ValueError(f"in_flight needs one (tokens, row) per request of a one-token decode, "
+                         f"got {len(in_flight)} for {len(scheduled)} requests")
+    for i, item in enumerate(scheduled):
         req, n, d = item.request, item.num_new_tokens, item.num_draft_tokens
         start = req.num_computed_tokens
+        if in_flight is not None:  # one token past what is in flight, its id on the device
+            start += in_flight[i][0]
+            ids.append(0)
+        else:
+            ids += req.token_ids_slice(start, start + n - d)
         image_rows.append((req, start, n - d, d))
-        ids += req.token_ids_slice(start, start + n - d)
         ids += req.spec_token_ids[:d]
         if is_tree:
             # A chain beside trees (drafted in tree mode, rocdraft/spec_decode/draft_shape.py, by a step
@@ -143,11 +163,13 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         sample_rows.append([min(last - d + j, last) for j in range(max_drafts + 1)])
         draft_rows.append(req.spec_token_ids[:d] + [0] * (max_drafts - d))
         next_index = start + n
-        backups.append(req.token_id_at(next_index) if next_index < req.num_tokens else 0)
+        backups.append(req.token_id_at(next_index) if next_index < req.num_tokens
+                       and in_flight is None else 0)
     num_reqs, num_tokens = len(scheduled), qsl[-1]
     no_padding_slots = PADDING_SLOT_ID not in slots
     num_drafts = [s.num_draft_tokens for s in scheduled]
-    samples = [s.completes_prefill for s in scheduled]
+    samples = [s.completes_prefill for s in scheduled] if in_flight is None \
+        else [True] * num_reqs
     discard = [not s for s in samples]
     # A chain's tree mask is the causal one (rocdraft/spec_decode/draft_shape.py drafts chains
     # in tree mode): only a branching tree needs it.
@@ -192,6 +214,9 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
             dtype=torch.long).view(rows, max_drafts)
     if branching:
         host["spec_mask"] = verify_tree_mask(tree_parents, max_drafts + 1)
+    if in_flight is not None:  # last: the sections before keep a graph key's addresses
+        host["input_sources"] = torch.tensor([row for _, row in in_flight]
+                                             + [0] * (rows - num_reqs), dtype=torch.long)
     uploader = uploader or StepInputBuffers(device)
     dev = uploader.upload(host, persistent=pad_to is not None)
 
@@ -232,7 +257,8 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         backup_next_token_ids=first("backup_next_token_ids", num_reqs),
         draft_parents=first("draft_parents", num_reqs) if is_tree else None,
         target_splice=images and images.target_splice, head_splice=images and images.head_splice,
-        padded=padded)
+        padded=padded,
+        input_sources=first("input_sources", num_reqs) if in_flight is not None else None)
 
 
 def padding_only_batch(shape: UniformShape, bucket: int, max_blocks_per_seq: int,

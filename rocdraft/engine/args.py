@@ -55,7 +55,13 @@ class EngineArgs:
     ``SpeculativeConfig.enforce_eager`` does for the draft loop alone).
 
     ``sync_timing``: synchronise a GPU at each phase boundary so the stats' time split is
-    exact (benchmarks), at the cost of host syncs."""
+    exact (benchmarks), at the cost of host syncs.
+
+    ``async_scheduling``: launch each target-only decode step before the previous one's
+    tokens reach the host (rocdraft/engine/overlap.py). None (default): on a GPU for a
+    target-only engine at tensor-parallel size 1, off on the CPU (where nothing overlaps);
+    True requires a target-only engine at tensor-parallel size 1 (speculative steps'
+    next inputs depend on their acceptance; the workers' inputs are sent from the host)."""
 
     target: str
     draft: str | None = None
@@ -78,6 +84,7 @@ class EngineArgs:
     graph_mode: str = "auto"
     enforce_eager: bool = False
     sync_timing: bool = False
+    async_scheduling: bool | None = None
     config: EngineConfig = field(init=False, repr=False)  # the model-facing subset
 
     def __post_init__(self) -> None:
@@ -99,6 +106,8 @@ class EngineArgs:
             if not isinstance(getattr(self, name), bool):
                 raise RocdraftError(f"{name} must be True or False, got "
                                     f"{getattr(self, name)!r}")
+        check_async_scheduling(self.async_scheduling, self.speculative_config,
+                               self.tensor_parallel_size)
         platform = detect_platform()
         device = self.device or platform.device
         if isinstance(device, str) and device.startswith("cuda") and not platform.is_gpu:
@@ -135,6 +144,22 @@ class EngineArgs:
     def compile_backend(self) -> str | None:
         """The torch.compile backend of ``compile`` (None: eager)."""
         return compile_backend(self.compile)
+
+
+def check_async_scheduling(value, speculative_config, tensor_parallel_size: int) -> None:
+    """Refuse ``async_scheduling`` that is not None/True/False, or True where it cannot run:
+    with speculation or tensor parallelism (the error says why)."""
+    if value is not None and not isinstance(value, bool):
+        raise RocdraftError(f"async_scheduling must be None (auto), True or False, got "
+                            f"{value!r}")
+    if value and speculative_config is not None:
+        raise RocdraftError("async_scheduling=True runs target-only decode steps ahead of "
+                            "the host; a speculative step's next inputs depend on how many "
+                            "drafts it accepts, so drop the draft or async_scheduling")
+    if value and tensor_parallel_size != 1:
+        raise RocdraftError(f"async_scheduling=True with tensor_parallel_size "
+                            f"{tensor_parallel_size} is not supported (the workers' inputs "
+                            f"are sent from the host before the step's tokens are known)")
 
 
 def check_tree(spec: SpeculativeConfig, tree, attention_backend: str | None,

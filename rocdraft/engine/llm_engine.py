@@ -27,6 +27,7 @@ from rocdraft.drafter.tree_spec import draft_lookahead
 from rocdraft.engine.args import EngineArgs
 from rocdraft.engine.loading import load_draft_runner
 from rocdraft.engine.model_runner import ModelRunner
+from rocdraft.engine.overlap import DecodeOverlap
 from rocdraft.engine.target_graphs import startup_shapes
 from rocdraft.engine.request_updates import apply_step, batch_outlook, read_step, step_record
 from rocdraft.errors import RocdraftError
@@ -68,6 +69,9 @@ class LLMEngine:
             _startup_shapes(spec, self.tree),
             self.draft_runner.aux_layer_ids if self.draft_runner is not None else ())
         self.scheduler = Scheduler(self.model_runner.scheduler_config)
+        # Async decode (rocdraft/engine/overlap.py): None where steps run synchronously.
+        self.overlap = DecodeOverlap(self.model_runner, self.max_model_len) \
+            if _async_scheduling(args, self.model_runner) else None
         self.requests: dict = {}  # request id -> Request, in flight (added, not yet reported done)
         # Counters over every step this engine ran (generate() also keeps its own call's);
         # positions are chain positions, or tree depths.
@@ -240,6 +244,8 @@ class LLMEngine:
 
             schedule -> target forward -> verify (sampled [B, k+1]) -> propose next drafts
             -> one host read -> request updates -> the policy observes the step"""
+        if self.overlap is not None:
+            return self.overlap.step(scheduler, stats)
         runner, drafter, policy = self.model_runner, self.draft_runner, self.policy
         if drafter is not None and not scheduler.running:
             self._ensure_step_costs(scheduler)
@@ -263,8 +269,8 @@ class LLMEngine:
                                           else None)
         t4, w4 = runner.clock(), runner.work_clock()
         host = read_step(sampled, drafts, verified_tree, scheduled, policy)
-        results = apply_step(scheduler, scheduled, batch, host.sampled, host.drafts, stats,
-                             self.max_model_len, num_drafts, host.tree_paths)
+        results = apply_step(scheduler, scheduled, batch.samples, host.sampled, host.drafts,
+                             stats, self.max_model_len, num_drafts, host.tree_paths)
         t5, w5 = runner.clock(), runner.work_clock()
         if policy is not None:  # step times on the work clock (ModelRunner.work_clock)
             policy.observe(step_record(scheduled, batch, host, results, has_prefill, w5 - w0,
@@ -326,6 +332,15 @@ class LLMEngine:
         if spec is None:
             return 0
         return self.tree.depth if self.tree is not None else spec.num_speculative_tokens
+
+
+def _async_scheduling(args: EngineArgs, runner: ModelRunner) -> bool:
+    """EngineArgs.async_scheduling resolved: its value, or by default on a GPU for a
+    target-only engine at tensor-parallel size 1 (args.py refused True elsewhere)."""
+    if args.async_scheduling is not None:
+        return args.async_scheduling
+    return runner.device != "cpu" and args.speculative_config is None \
+        and runner.executor is None
 
 
 def _startup_shapes(spec, tree) -> tuple:

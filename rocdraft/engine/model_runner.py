@@ -198,13 +198,18 @@ class ModelRunner:
             return time.thread_time()
         return self.clock()
 
-    def build_batch(self, scheduled: list[ScheduledRequest]) -> StepBatch:
+    def build_batch(self, scheduled: list[ScheduledRequest],
+                    in_flight: list[tuple[int, int]] | None = None) -> StepBatch:
         """The step's inputs on the host and, in one copy, on the device
-        (rocdraft/core/step_batch.py); padded to its bucket when the graph runner runs it."""
+        (rocdraft/core/step_batch.py); padded to its bucket when the graph runner runs it.
+        ``in_flight``: a decode step launched before the previous one landed
+        (rocdraft/engine/overlap.py; ``build_step_batch``)."""
         cfg = self.scheduler_config
-        bucket = self.graphs.bucket_for(scheduled) if self.graphs is not None else None
+        bucket = self.graphs.bucket_for(scheduled, in_flight) if self.graphs is not None \
+            else None
         return build_step_batch(scheduled, cfg.max_blocks_per_seq, cfg.block_size,
-                                self.device, self.step_inputs, pad_to=bucket)
+                                self.device, self.step_inputs, pad_to=bucket,
+                                in_flight=in_flight)
 
     def plan(self, batch: StepBatch):
         """The attention metadata the eager target forward runs ``batch`` with (the backend's
@@ -232,17 +237,19 @@ class ModelRunner:
         return out, logits
 
     def verify(self, logits: torch.Tensor, batch: StepBatch,
-               scheduled: list[ScheduledRequest]
+               scheduled: list[ScheduledRequest], ahead: list[int] | None = None
                ) -> tuple[torch.Tensor, TreeVerifyResult | None]:
         """logits [B, max_drafts + 1, V] -> (sampled [B, max_drafts + 1] int64, -1 =
         rejected; the tree walk's result on a tree step, else None). Lossless for greedy
-        and random sampling; a seeded row's noise depends on its output length only."""
+        and random sampling; a seeded row's noise depends on its output length only
+        (``ahead``: per request the output tokens sampled but not landed yet, async decode)."""
         sampling = self.sampling_cache.get([s.request.params for s in scheduled], self.device)
         if sampling.any_seeded:
+            ahead = ahead or [0] * len(scheduled)
             sampling = sampling.with_position_seeds([
-                (s.request.params.seed, len(s.request.output_token_ids))
+                (s.request.params.seed, len(s.request.output_token_ids) + extra)
                 if samples and s.request.params.seed is not None else None
-                for s, samples in zip(scheduled, batch.samples)])
+                for s, samples, extra in zip(scheduled, batch.samples, ahead)])
         if batch.draft_parents is None:
             return rejection_sample(logits, batch.draft_token_ids, batch.num_draft_tokens,
                                     batch.num_draft_tokens_cpu, sampling), None

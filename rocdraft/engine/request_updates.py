@@ -81,7 +81,7 @@ class StepResults:
     tree_rows: list[tuple[list[float], list[int]]] = field(default_factory=list)
 
 
-def apply_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], batch: StepBatch,
+def apply_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], samples: list[bool],
                sampled_cpu: list[list[int]], drafts_cpu: list | None, stats: GenerationStats,
                max_model_len: int, per_request: int = 0,
                tree_paths: list[list[int]] | None = None) -> StepResults:
@@ -89,12 +89,13 @@ def apply_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], batch: S
     ``scheduler``, keep at most ``per_request`` of ``drafts_cpu`` (a chain's tokens, or a
     tree's (tokens, parents, scores), per request) for the next step, and count ``stats``.
     ``tree_paths``: the accepted node indices per request of a verified tree (the tree
-    budget reads them beside the stored scores)."""
+    budget reads them beside the stored scores). ``samples``: per request whether the step
+    reached its last token (``StepBatch.samples``)."""
     results = StepResults()
     accepted_nodes = tree_paths or []
     for row, item in enumerate(scheduled):
         req = item.request
-        if not batch.samples[row]:  # partial prefill: nothing sampled yet
+        if not samples[row]:  # partial prefill: nothing sampled yet
             scheduler.update_after_step(item, 0)
             continue
         tokens = [t for t in sampled_cpu[row] if t >= 0]

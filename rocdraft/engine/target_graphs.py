@@ -140,16 +140,21 @@ class TargetGraphRunner:
         self.startup_keys: set[tuple] = set()
         self.late_keys: set[tuple] = set()
 
-    def bucket_for(self, scheduled: list[ScheduledRequest]) -> int | None:
+    def bucket_for(self, scheduled: list[ScheduledRequest],
+                   in_flight: list[tuple[int, int]] | None = None) -> int | None:
         """The bucket this runner runs the batch in, or None when it runs eagerly
-        (not uniform, images, too many rows, too long a query or sequence)."""
+        (not uniform, images, too many rows, too long a query or sequence); ``in_flight``:
+        per request the tokens computed ahead of ``num_computed_tokens`` (async decode)."""
         if not scheduled or len(scheduled) > self.buckets[-1]:
             return None
         q = scheduled[0].num_new_tokens
         if q > self.max_query_len or any(s.num_new_tokens != q for s in scheduled):
             return None
-        if any(s.request.num_computed_tokens + q > self.max_seq_len
-               or getattr(s.request, "images", None) is not None for s in scheduled):
+        ahead = [0] * len(scheduled) if in_flight is None else [t for t, _ in in_flight]
+        if any(s.request.num_computed_tokens + extra + q > self.max_seq_len
+               for s, extra in zip(scheduled, ahead)):
+            return None
+        if any(getattr(s.request, "images", None) is not None for s in scheduled):
             return None
         return next(b for b in self.buckets if b >= len(scheduled))
 

@@ -61,6 +61,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="capture nothing in CUDA/HIP graphs: neither the target forward nor "
                         "the draft loop")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="launch each target-only decode step before the previous step's "
+                        "tokens reach the host (auto: on a GPU, target-only, TP 1)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the target over N processes (N GPUs; gloo processes on the "
                         "CPU); rank 0 is this process, the others are started (or come from "
@@ -152,7 +155,9 @@ def make_llm_kwargs(args) -> dict:
             "attention_backend": args.attention_backend,
             "draft_attention_backend": args.draft_attention_backend,
             "block_size": args.block_size, "enforce_eager": args.enforce_eager,
-            **sizing_kwargs(args), **parallel_kwargs(args)}
+            **sizing_kwargs(args), **parallel_kwargs(args),
+            **({} if args.async_scheduling == "auto"
+               else {"async_scheduling": args.async_scheduling == "on"})}
 
 
 def parallel_kwargs(args) -> dict:

@@ -1,0 +1,209 @@
+"""Async decode (rocdraft/engine/overlap.py) on the CPU: the engine launches each
+target-only decode step before the previous one lands, and its outputs (greedy and seeded,
+with requests stopping at stop ids and max_tokens, joining, being aborted and preempted
+between steps, through the padded graph runner and eagerly) equal the synchronous
+engine's. On the CPU the launched step runs to its end before the previous one is read, so
+these tests prove the bookkeeping (which requests continue, their positions, slots and
+input tokens gathered on the device, the rows dropped after a stop), not the overlap's
+speed: that the GPU stays busy is for bench_shapes.py on the hardware."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import write_tiny_llama
+from sync_counter import count_syncs
+from rocdraft.config import SamplingParams, SchedulerConfig, SpeculativeConfig
+from rocdraft.core.request import Request, Status
+from rocdraft.core.scheduler import Scheduler, ScheduledRequest
+from rocdraft.core.step_batch import build_step_batch
+from rocdraft.engine import LLM, LLMEngine
+from rocdraft.engine.overlap import LaunchedStep, continuation, fill_inputs
+from rocdraft.errors import RocdraftError
+
+PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 22)), [4] * 11, [3, 3, 3]]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("overlap") / "t"))
+
+
+def _llm(target, overlap: bool, **kwargs) -> LLM:
+    return LLM(target, max_num_seqs=8, block_size=4, max_model_len=64,
+               async_scheduling=overlap, **kwargs)
+
+
+def _sampling(i: int, seeded: bool) -> dict:
+    return {"temperature": 0.9, "seed": 11 + i} if seeded else {"temperature": 0.0}
+
+
+def _params(outputs: list[list[int]], seeded: bool) -> list[SamplingParams]:
+    """Per request: a stop id taken from the middle of its free-running output (a seeded
+    stream depends on the output position only, so the request stops there, where the
+    engine cannot know it in advance) or a max_tokens of its own."""
+    params = []
+    for i, out in enumerate(outputs):
+        extra = _sampling(i, seeded)
+        if i % 2 == 0:
+            params.append(SamplingParams(max_tokens=20, stop_token_ids=(out[7],), **extra))
+        else:
+            params.append(SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True, **extra))
+    return params
+
+
+@pytest.mark.parametrize("graph_mode", ["auto", "replay-eagerly"])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_async_decode_equals_the_synchronous_engine(target, graph_mode, seeded):
+    sync = _llm(target, False, graph_mode=graph_mode)
+    overlapped = _llm(target, True, graph_mode=graph_mode)
+    assert sync.overlap is None and overlapped.overlap is not None
+    for size in (1, 2, 3, 5):
+        prompts = PROMPTS[:size]
+        free = [SamplingParams(max_tokens=20, ignore_eos=True, **_sampling(i, seeded))
+                for i in range(size)]
+        params = _params([o.token_ids for o in sync.generate(prompts, free)], seeded)
+        expected = [(o.token_ids, o.finish_reason) for o in sync.generate(prompts, params)]
+        before = overlapped.overlap.num_overlapped
+        got = [(o.token_ids, o.finish_reason) for o in overlapped.generate(prompts, params)]
+        assert got == expected, size
+        assert any(reason == "stop" for _, reason in got)  # a stop the engine could not foresee
+        assert overlapped.overlap.num_overlapped - before >= 4  # decode steps launched ahead
+        assert overlapped.last_stats.generated_tokens == sync.last_stats.generated_tokens
+    assert not overlapped.scheduler.running and overlapped.num_free_blocks == \
+        overlapped.num_blocks  # dropped rows and finished requests hold no block
+
+
+def test_requests_joining_aborted_and_preempted_stream_the_same_tokens(target):
+    """The step API under KV pressure (preemptions), with requests added and aborted between
+    steps: every request streams exactly the synchronous engine's tokens."""
+    streams = []
+    for overlap in (False, True):
+        engine = LLMEngine(target, max_num_seqs=8, block_size=4, max_model_len=48,
+                           num_kv_blocks=14, async_scheduling=overlap)
+        streamed, step = {}, 0
+        arrivals = {0: [0, 1], 2: [2, 3], 5: [4]}
+        while step < 8 or engine.has_unfinished_requests():
+            for i in arrivals.get(step, []):
+                engine.add_request(i, PROMPTS[i], SamplingParams(
+                    temperature=0.0, max_tokens=14, ignore_eos=True))
+                streamed[i] = []
+            if step == 6:
+                assert engine.abort_request(1)
+            for out in engine.step():
+                streamed[out.request_id] += out.new_token_ids
+                assert out.token_ids[-len(out.new_token_ids):] == out.new_token_ids
+            step += 1
+        assert engine.stats.num_preemptions > 0
+        if overlap:
+            assert engine.overlap.num_overlapped > 0
+        assert engine.num_free_blocks == engine.num_blocks
+        streams.append(streamed)
+    assert streams[0] == streams[1]
+
+
+def test_a_step_lands_the_previous_step_after_launching_the_next(target):
+    """In steady decoding each engine step launches one step and lands the one before: one
+    step stays in flight, one forward ahead of the tokens returned; the landed step is
+    read from the host once and nothing else reads the device."""
+    engine = LLMEngine(target, max_num_seqs=8, block_size=4, max_model_len=64,
+                       graph_mode="replay-eagerly", async_scheduling=True)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(i, prompt, SamplingParams(temperature=0.0, max_tokens=10,
+                                                     ignore_eos=True))
+    graphs = engine.model_runner.graphs
+    tokens = {i: [] for i in range(3)}
+    first = engine.step()  # the prompts landed, the first decode launched
+    assert [len(o.new_token_ids) for o in first] == [1, 1, 1]
+    assert engine.overlap.pending is not None
+    for out in first:
+        tokens[out.request_id] += out.new_token_ids
+    for _ in range(3):
+        replays, uploads = graphs.num_replays, engine.model_runner.step_inputs.num_uploads
+        with count_syncs() as counter:
+            outputs = engine.step()
+        assert [len(o.new_token_ids) for o in outputs] == [1, 1, 1]
+        assert counter.total == 1, counter.counts  # the landed step's one read
+        assert graphs.num_replays - replays == 1  # the next decode, padded into bucket 4
+        assert engine.model_runner.step_inputs.num_uploads - uploads == 1
+        assert engine.overlap.pending is not None
+        for out in outputs:
+            tokens[out.request_id] += out.new_token_ids
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert [len(t) for t in tokens.values()] == [10, 10, 10]
+    # Every request's last step was known to finish it: nothing was launched past it.
+    assert engine.overlap.pending is None
+
+
+def _running(rid: int, outputs: int, max_tokens: int, blocks: list[int]) -> Request:
+    req = Request(rid, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                 ignore_eos=True))
+    req.output_token_ids = [5] * outputs
+    req.num_computed_tokens = 3 + outputs - 1  # the last sampled token not computed yet
+    req.block_ids, req.status = list(blocks), Status.RUNNING
+    return req
+
+
+def _launched(scheduled: list[ScheduledRequest]) -> LaunchedStep:
+    batch = build_step_batch(scheduled, 8, 4, "cpu")
+    sampled = torch.zeros(len(scheduled), 1, dtype=torch.long)
+    return LaunchedStep(scheduled, batch, sampled, sampled, None, {})
+
+
+def test_continuation_docstring_example_and_when_it_waits():
+    """a (4 of 16 generated) goes on, b (15 of 16) finishes with the token in flight; a
+    waiting request, drafts, an aborted request or too few blocks make it wait."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32,
+                             block_size=4, num_blocks=8)
+    scheduler = Scheduler(config)
+    a = _running(0, 4, 16, scheduler.allocator.allocate(2))
+    b = _running(1, 15, 16, scheduler.allocator.allocate(5))
+    scheduler.running += [a, b]
+    previous = _launched([ScheduledRequest(a, 1, 0), ScheduledRequest(b, 1, 0)])
+    follow = continuation(scheduler, previous, 32)
+    assert follow is not None
+    rows, in_flight = follow
+    assert [s.request for s in rows] == [a] and in_flight == [(1, 0)]
+    # a: 7 tokens, position 6 in flight, the continuation writes position 7: 2 blocks hold it.
+    assert len(a.block_ids) == 2
+    batch = build_step_batch(rows, 8, 4, "cpu", in_flight=in_flight)
+    assert batch.positions.tolist() == [7] and batch.common.seq_lens.tolist() == [8]
+    assert batch.common.slot_mapping.tolist() == [a.block_ids[1] * 4 + 3]
+    assert batch.input_sources.tolist() == [0] and batch.samples == [True]
+    # Position 8 next would need a third block: reserved when the continuation goes on.
+    a.num_computed_tokens, a.output_token_ids = 7, [5] * 5
+    assert continuation(scheduler, _launched([ScheduledRequest(a, 1, 0)]), 32) is not None
+    assert len(a.block_ids) == 3
+    scheduler.add(Request(9, [1], SamplingParams()))
+    assert continuation(scheduler, previous, 32) is None  # the scheduler admits it first
+    scheduler.waiting.clear()
+    b.status = Status.FINISHED  # aborted: not continued, and a alone needs blocks
+    taken = scheduler.allocator.allocate(scheduler.allocator.num_free_blocks)
+    a.num_computed_tokens, a.output_token_ids = 11, [5] * 9  # position 12 needs block 4
+    assert continuation(scheduler, _launched([ScheduledRequest(a, 1, 0)]), 32) is None
+    scheduler.allocator.free(taken)
+
+
+def test_fill_inputs_gathers_each_rows_token_from_the_previous_step():
+    from rocdraft.core.step_batch import StepBatch
+
+    previous = torch.tensor([[40], [41], [42]])
+    ids = torch.zeros(2, dtype=torch.long)
+    batch = StepBatch.__new__(StepBatch)
+    object.__setattr__(batch, "input_ids", ids)
+    object.__setattr__(batch, "input_sources", torch.tensor([2, 0]))
+    fill_inputs(batch, previous)
+    assert ids.tolist() == [42, 40]
+
+
+def test_async_scheduling_refusals(target, tmp_path):
+    with pytest.raises(RocdraftError, match="async_scheduling must be None"):
+        LLM(target, async_scheduling="yes")
+    with pytest.raises(RocdraftError, match="drafts it accepts"):
+        LLM(target, draft=target, speculative_config=SpeculativeConfig("eagle", 2),
+            async_scheduling=True)
+    with pytest.raises(RocdraftError, match="tensor_parallel_size 2"):
+        LLM(target, tensor_parallel_size=2, async_scheduling=True)
+    assert LLM(target).overlap is None  # auto: off on the CPU
