@@ -137,6 +137,24 @@ def test_a_step_lands_the_previous_step_after_launching_the_next(target):
     assert engine.overlap.pending is None
 
 
+def test_a_full_largest_bucket_and_a_full_queue(target):
+    """40 requests at max_num_seqs 64 decode in the largest bucket (its static inputs hold
+    the async step's input sources too), and with max_num_seqs 2 and requests queued the
+    steps still overlap (nothing waiting could be admitted before a request finishes)."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = [[1 + i % 7, 2 + i % 5, 3] for i in range(40)]
+    for max_num_seqs, count in ((64, 40), (2, 5)):
+        kwargs = dict(max_num_seqs=max_num_seqs, block_size=4, max_model_len=32,
+                      graph_mode="replay-eagerly")
+        expected = [o.token_ids for o in LLM(target, **kwargs).generate(prompts[:count],
+                                                                        params)]
+        overlapped = LLM(target, async_scheduling=True, **kwargs)
+        assert [o.token_ids for o in overlapped.generate(prompts[:count], params)] == expected
+        # 4 decode steps per request; with 2 running and 3 queued each batch overlaps too.
+        assert overlapped.overlap.num_overlapped >= (3 if max_num_seqs == 64 else 6)
+        assert overlapped.num_free_blocks == overlapped.num_blocks
+
+
 def _running(rid: int, outputs: int, max_tokens: int, blocks: list[int]) -> Request:
     req = Request(rid, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                  ignore_eos=True))

@@ -74,8 +74,14 @@ def test_input_bytes_bound_covers_the_largest_padded_tree_batch(rows, q, blocks)
         Section("parents", torch.long, (rows, drafts)),
         Section("mask", torch.bool, (rows, q, q))]
     assert section_offsets(sections)[1] <= input_bytes_bound(rows, q, blocks)
+    # An async decode step (q = 1, no drafts) adds its input sources after the rest.
+    decode = [Section(s.name, s.dtype, tuple(rows if d == tokens else d for d in s.shape))
+              for s in sections[:3]] + [
+        Section("sample", torch.long, (rows, 1)), Section("drafts", torch.long, (rows, 0)),
+        *sections[5:11], Section("sources", torch.long, (rows,))]
+    assert section_offsets(decode)[1] <= input_bytes_bound(rows, 1, blocks)
     if (rows, q, blocks) == (4, 5, 8):
-        assert input_bytes_bound(rows, q, blocks) == 1436  # the docstring's example
+        assert input_bytes_bound(rows, q, blocks) == 1484  # the docstring's example
 
 
 def test_only_uniform_batches_without_images_go_to_a_bucket(pair):
@@ -192,16 +198,24 @@ def test_startup_shapes_examples_and_refusals():
         startup_shapes(2, 1)
 
 
-@pytest.mark.parametrize("kind", ["target", "chain", "tree"])
+@pytest.mark.parametrize("kind", ["target", "chain", "tree", "tree-cost"])
 def test_startup_prepares_every_bucket_and_shape(pair, kind):
     """The engine prepares (bucket, shape) keys at start-up: every bucket with decode and
-    each chain length its config may verify, and a tree config's full tree."""
-    llm = _llm(pair, kind, graph_mode="replay-eagerly")
+    each chain length its config may verify, and a tree config's full tree (a tree config
+    with the fixed policy never drafts chains: no chain keys)."""
+    if kind == "tree-cost":  # the cost policy's tree-or-chain chooser may draft chains
+        target, head = pair
+        llm = LLM(target, draft=head, max_num_seqs=8, block_size=4, max_model_len=96,
+                  graph_mode="replay-eagerly", speculative_config=SpeculativeConfig(
+                      "eagle3", 3, speculative_token_tree=TREE))
+        assert llm.policy.shape_chooser is not None
+    else:
+        llm = _llm(pair, kind, graph_mode="replay-eagerly")
     graphs = llm.model_runner.graphs
     aux = llm.draft_runner.aux_layer_ids if kind != "target" else ()
     expected = {(b, d + 1, d, False, aux) for b in (1, 2, 4, 8)
-                for d in range(1 if kind == "target" else 4)}
-    if kind == "tree":  # the 5-node tree's full verification
+                for d in range(1 if kind in ("target", "tree") else 4)}
+    if kind.startswith("tree"):  # the 5-node tree's full verification
         expected |= {(b, 6, 5, True, aux) for b in (1, 2, 4, 8)}
     assert graphs.startup_keys == expected
     assert graphs.num_replays == 0 and not graphs.late_keys and not graphs.graphs

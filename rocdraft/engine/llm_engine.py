@@ -66,7 +66,8 @@ class LLMEngine:
             args, self.model_runner, self.tree, self.policy.shape_chooser is not None) \
             if spec else None
         self.model_runner.capture_target_graphs(
-            _startup_shapes(spec, self.tree),
+            _startup_shapes(spec, self.tree, self.policy is not None
+                            and self.policy.shape_chooser is not None),
             self.draft_runner.aux_layer_ids if self.draft_runner is not None else ())
         self.scheduler = Scheduler(self.model_runner.scheduler_config)
         # Async decode (rocdraft/engine/overlap.py): None where steps run synchronously.
@@ -343,17 +344,19 @@ def _async_scheduling(args: EngineArgs, runner: ModelRunner) -> bool:
         and runner.executor is None
 
 
-def _startup_shapes(spec, tree) -> tuple:
+def _startup_shapes(spec, tree, chains_in_tree_mode: bool) -> tuple:
     """The uniform batch shapes this config's steps run (engine/target_graphs.py
     ``startup_shapes``): decode; chains of 1..k drafts (in a tree config at most the
-    tree's depth); a branching tree's full verification."""
+    tree's depth, and only where its policy may draft chains: ``chains_in_tree_mode``); a
+    branching tree's full verification."""
     if spec is None:
         return startup_shapes(0)
     k = spec.num_speculative_tokens
     if tree is None:
         return startup_shapes(k)
     branching = tree.num_nodes > tree.depth
-    return startup_shapes(min(k, tree.depth), tree.num_nodes if branching else None)
+    chains = min(k, tree.depth) if chains_in_tree_mode or not branching else 0
+    return startup_shapes(chains, tree.num_nodes if branching else None)
 
 
 def _has_prefill(scheduled: list[ScheduledRequest]) -> bool:

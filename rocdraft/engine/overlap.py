@@ -13,14 +13,19 @@ appending them, stop checks, building the next inputs) runs while the device com
 
 What is known before n lands decides the continuation: the requests of n that sampled and
 still run, less those that n's token finishes by length (max_tokens, max_model_len); no
-request waiting (a waiting request is admitted by the scheduler, after n lands); blocks for
-one more token each. Otherwise n lands first and the scheduler plans the next step as in
+request waiting that the scheduler could admit now (below ``max_num_seqs`` it is admitted
+after n lands; at ``max_num_seqs`` it waits for a request to finish either way, and joins
+one step later than in the synchronous engine); blocks for one more token each. Otherwise n lands first and the scheduler plans the next step as in
 the synchronous engine. A request that n finishes by EOS or a stop id (or that is aborted
 between steps) still computes one token in n+1: that row is dropped when n+1 lands, and its
 KV write lands in blocks freed after n, which any later step overwrites in stream order.
 
 Speculative steps stay synchronous: their next inputs (positions, slots, the drafts'
-count) depend on how many drafts the step accepts. On the CPU nothing overlaps (torch runs
+count) depend on how many drafts the step accepts. Launching them ahead would need the
+next step's positions (``num_computed + 1 + accepted + arange(d + 1)``), slots (through the
+block table) and seq lens computed on the device from the accepted counts, blocks reserved
+for the most the step can accept, and every backend's host metadata (``seq_lens_cpu``,
+``max_seq_len``) used only as a bound; not built. On the CPU nothing overlaps (torch runs
 each op to its end), so the engine schedules synchronously there unless asked; the tests run
 this path on the CPU for equality with the synchronous engine.
 """
@@ -66,7 +71,8 @@ def continuation(scheduler: Scheduler, previous: LaunchedStep, max_model_len: in
     Example: previous decoded requests a (4 of max_tokens 16 generated) and b (15 of 16):
     b finishes with this token, so the continuation is [a], with in-flight [(1, 0)].
     """
-    if scheduler.waiting or previous.batch.max_drafts or not all(previous.batch.samples):
+    admits = scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs
+    if admits or previous.batch.max_drafts or not all(previous.batch.samples):
         return None
     rows, in_flight, needs = [], [], []
     for row, item in enumerate(previous.scheduled):

@@ -61,16 +61,17 @@ def target_graph_refusal(backend, device: str, enforce_eager: bool, tensor_paral
 
 def input_bytes_bound(rows: int, max_query_len: int, max_blocks_per_seq: int) -> int:
     """Bytes of the largest padded step input (rocdraft/core/step_batch.py's sections at
-    ``rows`` requests of ``max_query_len`` tokens, tree parents and mask included), with
-    16 bytes of alignment slack per section.
+    ``rows`` requests of ``max_query_len`` tokens, tree parents and mask included, and an
+    async decode step's input sources), with 16 bytes of alignment slack per section.
 
-    Example: 4 rows, q 5, 8 blocks per row -> 8 * (3 * 20 + 20 + 16 + 8 + 16) + 4 * 5
-    + 4 * 4 + 4 + 4 * 32 + 100 + 13 * 16 = 1436.
+    Example: 4 rows, q 5, 8 blocks per row -> 8 * (3 * 20 + 20 + 16 + 8 + 16 + 4) + 4 * 5
+    + 4 * 4 + 4 + 4 * 32 + 100 + 14 * 16 = 1484.
     """
     tokens, drafts = rows * max_query_len, max_query_len - 1
-    int64s = 3 * tokens + rows * max_query_len + rows * drafts + 2 * rows + rows * drafts
+    int64s = 3 * tokens + rows * max_query_len + rows * drafts + 2 * rows + rows * drafts \
+        + rows  # the last: input_sources (rocdraft/engine/overlap.py)
     int32s = (rows + 1) + rows + rows * max_blocks_per_seq
-    return 8 * int64s + 4 * int32s + rows + rows * max_query_len ** 2 + 13 * 16
+    return 8 * int64s + 4 * int32s + rows + rows * max_query_len ** 2 + 14 * 16
 
 
 GATHER_BUDGET_BYTES = 1 << 30  # per layer, for a backend that gathers K/V (gathers_kv)
