@@ -156,7 +156,8 @@ class EagleProposer:
                 target_hidden_states, next_token_ids: torch.Tensor,
                 last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
                 kv_caches: list[LayerKVCache], num_rejected: torch.Tensor | None = None,
-                num_drafts: int | None = None, splice=None, metadata=None) -> torch.Tensor:
+                num_drafts: int | None = None, splice=None, metadata=None,
+                sample_hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Chain drafting.
 
         target_token_ids [num_tokens], target_positions [num_tokens] (or [3, num_tokens] for
@@ -168,7 +169,8 @@ class EagleProposer:
         num_speculative_tokens), splice: image embeddings over the head's image-pad rows
         (models/embed_splice.py; the first forward only), metadata: this backend's plan of
         ``common`` when the caller has it (the target's, built by the same backend class
-        for the same batch: the first forward then plans nothing)
+        for the same batch: the first forward then plans nothing), sample_hidden: the first
+        forward's output [B, H] when the caller ran it (drafter/first_forward_graphs.py)
         -> draft token ids [B, num_drafts] int64 (target vocabulary).
         """
         num_drafts = self.num_speculative_tokens if num_drafts is None else num_drafts
@@ -176,10 +178,11 @@ class EagleProposer:
             raise ValueError(f"num_drafts must be in [1, {self.num_speculative_tokens}], "
                              f"got {num_drafts}")
         batch_size = common.num_reqs
-        sample_hidden = self.first_forward(target_token_ids, target_positions,
-                                           target_hidden_states, next_token_ids,
-                                           last_token_indices, common, kv_caches, splice,
-                                           metadata)
+        if sample_hidden is None:
+            sample_hidden = self.first_forward(target_token_ids, target_positions,
+                                               target_hidden_states, next_token_ids,
+                                               last_token_indices, common, kv_caches, splice,
+                                               metadata)
         draft_ids = self._greedy(sample_hidden)
         if num_drafts == 1:
             return draft_ids.view(-1, 1)
@@ -232,17 +235,18 @@ class EagleProposer:
                      target_hidden_states, next_token_ids: torch.Tensor,
                      last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
                      kv_caches: list[LayerKVCache], budget_nodes: int | None = None,
-                     metadata=None):
+                     metadata=None, sample_hidden: torch.Tensor | None = None):
         """Tree drafting: the inputs of ``propose`` (``common`` without a tree mask; the
         accepted path first in each request's tokens) -> TreeDrafts (tokens, parents and
         node counts [B], drafter/tree_draft.py). budget_nodes: nodes over the whole batch;
-        metadata: as ``propose``'s."""
+        metadata, sample_hidden: as ``propose``'s."""
         if self.tree_drafter is None:
             raise RocdraftError("propose_tree needs a proposer built with a tree")
-        sample_hidden = self.first_forward(target_token_ids, target_positions,
-                                           target_hidden_states, next_token_ids,
-                                           last_token_indices, common, kv_caches,
-                                           metadata=metadata)
+        if sample_hidden is None:
+            sample_hidden = self.first_forward(target_token_ids, target_positions,
+                                               target_hidden_states, next_token_ids,
+                                               last_token_indices, common, kv_caches,
+                                               metadata=metadata)
         root_positions = target_positions[last_token_indices]  # [B]
         runner = self.tree_runner
         if runner is not None and runner.accepts(common.num_reqs, common.max_seq_len,

@@ -5,8 +5,8 @@
   ROCM_AITER_FA only run fp16/bf16, where batch-shape-dependent rounding can flip a near-tie,
   so they are compared on a prefix);
 - the draft loop captured as CUDA/HIP graphs per bucket equals eager drafting;
-- the target forward captured at start-up per (bucket, query length), in the pool the draft
-  loops share, equals the eager engine for
+- the target forward (and after it the head's first forward) captured at start-up per
+  (bucket, query length), in the pool the draft loops share, equals the eager engine for
   decode, chain and tree verification at every bucket of max_num_seqs 8, reports its
   capture memory, and
   a captured decode / verify step reads the device once;
@@ -235,6 +235,9 @@ def test_captured_target_forward_equals_eager(pair, backend, kind):
         if kind != "target":
             assert captured.last_stats.acceptance_length > 1.5
     assert all(b >= 0 for b in graphs.capture_bytes.values())
+    if kind == "chain":  # the head's first forward replayed its captured graphs too
+        first = captured.draft_runner.first_graphs
+        assert first.graphs and set(first.graphs) == first.keys and first.num_runs > 0
     # Only prompt steps of one length meet a key first in a step.
     assert all(q > 1 and drafts == 0 for _, q, drafts, _, _ in graphs.late_keys)
     print(f"{backend} {kind}: {len(graphs.graphs)} target graphs, graph memory "

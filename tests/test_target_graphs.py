@@ -179,6 +179,12 @@ def test_replay_equals_eager_at_bucket_boundaries(pair, kind, seeded):
     # Every decode and verify key was prepared at start-up (on a GPU: captured before the
     # first request); only prompt steps of uniform length met a key first in a step.
     assert graphs.startup_keys and graphs.num_replays > 0
+    if kind == "chain":  # the head's first forward ran over the padded static inputs too
+        # (after a tree step it runs eagerly: the head's tokens are reordered)
+        first = replaying.draft_runner.first_graphs
+        assert first.num_runs > 0 and first.keys, (first.num_runs, first.keys)
+        print(kind, "first forwards replayed", first.num_runs, "of", graphs.num_replays,
+              "padded target steps")
     assert all(q > 1 and drafts == 0 for _, q, drafts, _, _ in graphs.late_keys), \
         graphs.late_keys
 
@@ -219,6 +225,36 @@ def test_startup_prepares_every_bucket_and_shape(pair, kind):
         expected |= {(b, 6, 5, True, aux) for b in (1, 2, 4, 8)}
     assert graphs.startup_keys == expected
     assert graphs.num_replays == 0 and not graphs.late_keys and not graphs.graphs
+
+
+def test_first_forward_preparation_writes_no_head_kv(pair):
+    """Canary: preparing the head's first forward on padding-only inputs leaves every value
+    of the head's KV cache as it was; keys: the target's start-up keys without a mask."""
+    llm = _llm(pair, "chain", graph_mode="replay-eagerly")
+    drafter, runner = llm.draft_runner, llm.model_runner
+    assert drafter.first_graphs.keys == runner.graphs.startup_keys
+    generator = torch.Generator().manual_seed(1)
+    for cache in drafter.kv_caches:
+        cache.key.copy_(torch.randn(cache.key.shape, generator=generator))
+        cache.value.copy_(torch.randn(cache.value.shape, generator=generator))
+    canary = [(c.key.clone(), c.value.clone()) for c in drafter.kv_caches]
+    drafter.first_graphs.keys.clear()
+    assert drafter.capture_first_forward(runner.graphs, runner.padding_batch) == 16
+    for cache, (key, value) in zip(drafter.kv_caches, canary):
+        assert torch.equal(cache.key, key) and torch.equal(cache.value, value)
+
+
+def test_startup_skips_keys_the_token_budget_never_meets(pair):
+    """With max_num_batched_tokens 16, bucket 8 holds 5..8 rows: q 3 (15 tokens) fits,
+    q 4 (20) never runs, so it is not prepared; bucket 4 (3..4 rows) takes q up to 5."""
+    runner = ModelRunner(EngineArgs(pair[0], max_num_seqs=8, block_size=4, max_model_len=96,
+                                    max_num_batched_tokens=16, graph_mode="replay-eagerly"),
+                         [], 4)
+    runner.capture_target_graphs(startup_shapes(4), ())
+    keys = {(b, q) for b, q, *_ in runner.graphs.startup_keys}
+    assert (8, 3) in keys and (8, 4) not in keys and (4, 5) in keys
+    assert keys == {(b, q) for b in (1, 2, 4, 8) for q in range(1, 6)
+                    if ({1: 0, 2: 1, 4: 2, 8: 4}[b] + 1) * q <= 16}
 
 
 def test_startup_preparation_writes_no_kv(pair):

@@ -261,6 +261,15 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         input_sources=first("input_sources", num_reqs) if in_flight is not None else None)
 
 
+def graph_key(batch: StepBatch, aux_layer_ids: tuple[int, ...]) -> tuple:
+    """(bucket, q, drafts per row, tree mask or not, aux layers) of a padded batch: the key
+    of its captured target forward (rocdraft/engine/target_graphs.py) and of the head's
+    first forward over it (drafter/first_forward_graphs.py)."""
+    common = batch.padded.common
+    return (common.num_reqs, common.max_query_len, batch.max_drafts,
+            common.spec_mask is not None, tuple(aux_layer_ids))
+
+
 def padding_only_batch(shape: UniformShape, bucket: int, max_blocks_per_seq: int,
                        device: torch.device | str, uploader: StepInputBuffers) -> StepBatch:
     """A batch of ``bucket`` padding rows of ``shape`` in the uploader's persistent buffer,

@@ -69,6 +69,9 @@ class LLMEngine:
             _startup_shapes(spec, self.tree, self.policy is not None
                             and self.policy.shape_chooser is not None),
             self.draft_runner.aux_layer_ids if self.draft_runner is not None else ())
+        if self.draft_runner is not None:  # after the target's: it reads their outputs
+            self.draft_runner.capture_first_forward(self.model_runner.graphs,
+                                                    self.model_runner.padding_batch)
         self.scheduler = Scheduler(self.model_runner.scheduler_config)
         # Async decode (rocdraft/engine/overlap.py): None where steps run synchronously.
         self.overlap = DecodeOverlap(self.model_runner, self.max_model_len) \
@@ -137,10 +140,12 @@ class LLMEngine:
     def graph_memory(self) -> dict[str, int]:
         """Bytes the captured graphs reserved in their shared pool (each capture's growth of
         the reserved memory, summed): ``target`` (the target forward's keys) and ``draft``
-        (the chain loop and tree levels); 0 where nothing was captured (the CPU, eager)."""
-        graphs = self.model_runner.graphs
-        proposer = self.draft_runner.proposer if self.draft_runner is not None else None
+        (the head's first forward, the chain loop and tree levels); 0 where nothing was
+        captured (the CPU, eager)."""
+        graphs, drafter = self.model_runner.graphs, self.draft_runner
+        proposer = drafter.proposer if drafter is not None else None
         loops = [getattr(proposer, name, None) for name in ("graph_runner", "tree_runner")]
+        loops.append(drafter.first_graphs if drafter is not None else None)
         return {"target": sum(graphs.capture_bytes.values()) if graphs is not None else 0,
                 "draft": sum(sum(loop.capture_bytes.values()) for loop in loops
                              if loop is not None)}
@@ -289,16 +294,18 @@ class LLMEngine:
         target's attention plan of ``batch`` for the head to reuse, or None."""
         drafter, policy, batch_size = self.draft_runner, self.policy, len(batch.samples)
         hidden = drafter.head_features(out)
+        graphs = self.model_runner.graphs
         if self.tree is None:
             return drafter.propose_chain(batch, sampled, hidden, max(num_drafts, 1),
-                                         target_plan=target_plan), None
+                                         target_plan=target_plan, target_graphs=graphs), None
         shape = policy.shape(batch_size)
         if shape == "chain":
             return drafter.propose_chain(batch, sampled, hidden,
                                          policy.chain_drafts_in_tree_mode(batch_size),
-                                         verified_tree, target_plan), shape
+                                         verified_tree, target_plan, graphs), shape
         return drafter.propose_tree(batch, sampled, hidden, verified_tree,
-                                    policy.tree_budget(batch_size), target_plan), shape
+                                    policy.tree_budget(batch_size), target_plan,
+                                    graphs), shape
 
     def _ensure_step_costs(self, scheduler: Scheduler, batch_size: int | None = None) -> None:
         """Measure the step costs the policy still lacks for each batch bucket up to

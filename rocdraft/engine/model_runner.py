@@ -154,17 +154,21 @@ class ModelRunner:
         Nothing to do without a graph runner."""
         if self.graphs is None:
             return
-        cfg, start = self.scheduler_config, time.perf_counter()
-        count = self.graphs.capture(
-            shapes, aux_layer_ids,
-            lambda shape, bucket: padding_only_batch(shape, bucket, cfg.max_blocks_per_seq,
-                                                     self.device, self.step_inputs))
+        start = time.perf_counter()
+        count = self.graphs.capture(shapes, aux_layer_ids, self.padding_batch,
+                                    self.scheduler_config.max_num_batched_tokens)
         log.info("target forward: %d keys %s at start-up in %.2f s (buckets %s, shapes %s)%s",
                  count, "captured" if self.graphs.use_graphs else "prepared (run eagerly)",
                  time.perf_counter() - start, list(self.graphs.buckets),
                  [(s.query_len, s.num_drafts, s.tree_mask) for s in shapes],
                  f", {sum(self.graphs.capture_bytes.values()) / 2**20:.1f} MiB of graph memory"
                  if self.graphs.use_graphs else "")
+
+    def padding_batch(self, shape: UniformShape, bucket: int) -> StepBatch:
+        """A batch of ``bucket`` padding rows of ``shape`` in the graph runner's static
+        inputs (rocdraft/core/step_batch.py ``padding_only_batch``): what capture runs on."""
+        return padding_only_batch(shape, bucket, self.scheduler_config.max_blocks_per_seq,
+                                  self.device, self.step_inputs)
 
     def start_workers(self, target: str) -> None:
         """Start the TP workers once rank 0 is built (they load their shards of ``target``

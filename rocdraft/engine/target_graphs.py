@@ -43,7 +43,7 @@ import torch
 
 from rocdraft.drafter.graphs import capture_one, graph_capture_refusal
 from rocdraft.core.scheduler import ScheduledRequest
-from rocdraft.core.step_batch import StepBatch, UniformShape
+from rocdraft.core.step_batch import StepBatch, UniformShape, graph_key
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +111,6 @@ def startup_shapes(max_chain_drafts: int, tree_nodes: int | None = None
     return shapes
 
 
-def graph_key(batch: StepBatch, aux_layer_ids: tuple[int, ...]) -> tuple:
-    """(bucket, q, drafts per row, tree mask or not, aux layers) of a padded batch."""
-    common = batch.padded.common
-    return (common.num_reqs, common.max_query_len, batch.max_drafts,
-            common.spec_mask is not None, tuple(aux_layer_ids))
-
-
 class TargetGraphRunner:
     def __init__(self, target, builder, kv_caches: list, buckets: tuple[int, ...],
                  max_query_len: int, max_seq_len: int, use_graphs: bool, pool=None) -> None:
@@ -131,7 +124,9 @@ class TargetGraphRunner:
         self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
         self.use_graphs = use_graphs
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple, object] = {}  # key -> the captured forward's output
+        # key -> the captured forward's output (on the CPU: the key's last eager output; the
+        # head's first forward reads it, drafter/first_forward_graphs.py)
+        self.outputs: dict[tuple, object] = {}
         self.capture_bytes: dict[tuple, int] = {}
         self.pool = pool if pool is not None or not use_graphs \
             else torch.cuda.graph_pool_handle()
@@ -167,8 +162,8 @@ class TargetGraphRunner:
             self.late_keys.add(key)
             log.info("target forward key %s (bucket, q, drafts, tree mask, aux) first met in "
                      "a step%s", key, ": capturing it now" if self.use_graphs else "")
-        if not self.use_graphs:
-            out = self._run(batch, aux_layer_ids)
+        if not self.use_graphs:  # the key's "static" outputs: this step's, kept as on a GPU
+            out = self.outputs[key] = self._run(batch, aux_layer_ids)
         else:
             if key not in self.graphs:
                 self._capture(key, batch, aux_layer_ids)
@@ -180,15 +175,19 @@ class TargetGraphRunner:
                          tuple(a[:tokens] for a in out.aux_hidden_states))
 
     def capture(self, shapes: tuple[UniformShape, ...], aux_layer_ids: tuple[int, ...],
-                make_batch) -> int:
-        """Prepare every (bucket, shape) key with q <= max_query_len, largest bucket first
-        (the pool then fits the smaller ones): captured on a GPU, run once eagerly on the
-        CPU (the same padded inputs). ``make_batch(shape, bucket)``: a padding-only batch
+                make_batch, max_num_tokens: int) -> int:
+        """Prepare every (bucket, shape) key that a step of at most ``max_num_tokens``
+        tokens (the scheduler's budget) can meet, largest bucket first (the pool then fits
+        the smaller ones): captured on a GPU, run once eagerly on the CPU (the same padded
+        inputs). ``make_batch(shape, bucket)``: a padding-only batch
         (rocdraft/core/step_batch.py ``padding_only_batch``) -> keys newly prepared."""
         done = 0
         for bucket in sorted(self.buckets, reverse=True):
+            below = max([b for b in self.buckets if b < bucket], default=0)
             for shape in shapes:
-                if shape.query_len > self.max_query_len:
+                # The fewest rows this bucket runs (one more than the bucket below) must fit.
+                if shape.query_len > self.max_query_len \
+                        or (below + 1) * shape.query_len > max_num_tokens:
                     continue
                 batch = make_batch(shape, bucket)
                 key = graph_key(batch, aux_layer_ids)
@@ -197,7 +196,7 @@ class TargetGraphRunner:
                 if self.use_graphs:
                     self._capture(key, batch, aux_layer_ids)
                 else:
-                    self._run(batch, aux_layer_ids)
+                    self.outputs[key] = self._run(batch, aux_layer_ids)
                 self.startup_keys.add(key)
                 done += 1
         return done

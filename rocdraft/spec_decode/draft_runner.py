@@ -7,6 +7,8 @@ a verified step into the next step's drafts.
         ──(after a tree step: root + accepted path first, head_inputs_after_tree)
         ──head inputs: padded (rejected tokens stay as padding, no host sync) or unpadded
           (dropped on the host)
+        ──the head's first forward: replayed per target key after a padded target step
+          (drafter/first_forward_graphs.py), else eagerly
         ──propose_chain ──> ChainDrafts: tokens [B, n]
         ──propose_tree  ──> TreeDrafts: tokens, parents [B, N], num_nodes [B], scores
 
@@ -25,8 +27,9 @@ from rocdraft.backends import registry
 from rocdraft.backends.base import Feature
 from rocdraft.backends.kv_cache import allocate_kv_cache
 from rocdraft.config import SpeculativeConfig
-from rocdraft.core.step_batch import StepBatch
+from rocdraft.core.step_batch import StepBatch, UniformShape, graph_key
 from rocdraft.drafter.eagle import EagleProposer
+from rocdraft.drafter.first_forward_graphs import FirstForwardRunner
 from rocdraft.drafter.graphs import DraftGraphPlan, capture_buckets, graph_capture_refusal
 from rocdraft.drafter.tree_draft import TreeDrafts
 from rocdraft.sample.tree_sampler import TreeVerifyResult
@@ -92,8 +95,32 @@ class DraftRunner:
             block_size=limits.block_size, vocab_size=vocab_size, device=device, tree=tree,
             graphs=plan)
         self.proposer.validate_kv_caches(self.kv_caches)
+        # The first forward after a padded target step, per target key (padded drafting
+        # only: unpadded drafting drops rejected tokens, a ragged batch).
+        self.first_graphs = FirstForwardRunner(
+            self.proposer, self.kv_caches, plan.buckets[-1], plan.use_graphs, graph_pool) \
+            if plan is not None and spec.padded_drafting else None
         if self.graph_refusal is not None:
             log.info("draft loop runs eagerly: %s", self.graph_refusal)
+
+    def capture_first_forward(self, target_graphs, make_batch) -> int:
+        """Prepare the head's first forward for the target's start-up keys without a tree
+        mask (``target_graphs``: the TargetGraphRunner, after its ``capture``;
+        ``make_batch(shape, bucket)``: a padding-only batch in its static inputs), largest
+        bucket first -> keys prepared. Nothing to do without a first-forward runner."""
+        if self.first_graphs is None or target_graphs is None:
+            return 0
+        done = 0
+        for key in sorted(target_graphs.startup_keys, reverse=True):
+            bucket, q, drafts, mask, aux = key
+            if mask or aux != tuple(self.aux_layer_ids) or self.first_graphs.accepts(key):
+                continue
+            if not self.first_graphs.fits(key):
+                continue
+            batch = make_batch(UniformShape(q, drafts), bucket)
+            done += self.first_graphs.capture(key, batch.padded, target_graphs.outputs[key],
+                                              target_graphs.max_seq_len)
+        return done
 
     def head_features(self, out):
         """What the head reads from the target's output: the aux layers' inputs (EAGLE-3,
@@ -102,32 +129,54 @@ class DraftRunner:
 
     def propose_chain(self, batch: StepBatch, sampled: torch.Tensor, hidden, num_drafts: int,
                       verified_tree: TreeVerifyResult | None = None,
-                      target_plan=None) -> ChainDrafts:
+                      target_plan=None, target_graphs=None) -> ChainDrafts:
         """Chain drafts [B, num_drafts] for every row; num_drafts >= 1 (the first draft
         forward also keeps the head's KV cache in step with the target's). After a tree step
         (``verified_tree``) the batch is first reordered root + accepted path first.
         target_plan: the target's attention metadata of ``batch.common``, built by this
         runner's backend class (``shares_plan_with``), or None: the first forward reuses it
-        where it runs over that same batch (``_plan_to_reuse``)."""
+        where it runs over that same batch (``_plan_to_reuse``). target_graphs: the target's
+        graph runner (its static inputs and outputs feed the replayed first forward)."""
         plan = self._plan_to_reuse(target_plan, verified_tree)
+        replayed = verified_tree is None
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
         args, rejected, splice = self._head_inputs(batch, sampled, hidden)
+        first = self._replayed_first_forward(batch, args, target_graphs) \
+            if replayed and splice is None else None
         return ChainDrafts(self.proposer.propose(*args, num_rejected=rejected,
                                                  num_drafts=num_drafts, splice=splice,
-                                                 metadata=plan))
+                                                 metadata=plan, sample_hidden=first))
 
     def propose_tree(self, batch: StepBatch, sampled: torch.Tensor, hidden,
                      verified_tree: TreeVerifyResult | None, budget: int | None,
-                     target_plan=None) -> TreeDrafts:
+                     target_plan=None, target_graphs=None) -> TreeDrafts:
         """Each row's next tree (``budget``: the batch's node budget, None for full trees).
         After a tree step the batch is first reordered root + accepted path first, which
-        makes the head's first forward the chain's. target_plan: as ``propose_chain``'s."""
+        makes the head's first forward the chain's. target_plan, target_graphs: as
+        ``propose_chain``'s."""
         plan = self._plan_to_reuse(target_plan, verified_tree)
+        replayed = verified_tree is None
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
         args, _, _ = self._head_inputs(batch, sampled, hidden)  # (no trees with images)
-        return self.proposer.propose_tree(*args, budget, metadata=plan)
+        first = self._replayed_first_forward(batch, args, target_graphs) if replayed else None
+        return self.proposer.propose_tree(*args, budget, metadata=plan, sample_hidden=first)
+
+    def _replayed_first_forward(self, batch: StepBatch, args: tuple, target_graphs
+                                ) -> torch.Tensor | None:
+        """The first forward's output [B, H] through the first-forward runner when the
+        target ran ``batch`` padded in a prepared key (``args``: ``_head_inputs``'s, the
+        padded path's); None: the proposer runs it eagerly."""
+        runner = self.first_graphs
+        if runner is None or target_graphs is None or batch.padded is None:
+            return None
+        key = graph_key(batch, self.aux_layer_ids)
+        if not runner.accepts(key):
+            return None
+        _, _, _, next_ids, indices, _, _ = args
+        return runner.run(key, batch.padded, target_graphs.outputs[key],
+                          target_graphs.max_seq_len, next_ids, indices)
 
     def shares_plan_with(self, target_backend: type) -> bool:
         """Whether the target's attention metadata serves the head's first forward: the same
