@@ -108,8 +108,9 @@ class DraftRunner:
         mask (``target_graphs``: the TargetGraphRunner, after its ``capture``;
         ``make_batch(shape, bucket)``: a padding-only batch in its static inputs), largest
         bucket first -> keys prepared. Nothing to do without a first-forward runner."""
-        if self.first_graphs is None or target_graphs is None:
-            return 0
+        if self.first_graphs is None or target_graphs is None \
+                or self.first_graphs.use_graphs and not target_graphs.use_graphs:
+            return 0  # (a captured first forward reads the target graphs' static outputs)
         done = 0
         for key in sorted(target_graphs.startup_keys, reverse=True):
             bucket, q, drafts, mask, aux = key
