@@ -228,6 +228,11 @@ class EagleProposer:
         if metadata is None:
             metadata = self.builder.build(common)
         extra = {} if splice is None else {"splice": splice}
+        if getattr(self.head, "selects_rows", False):
+            # The head's last layer computes its output at the sampled tokens only (its K/V
+            # for every token): a prompt's other tokens skip o_proj and the MLP.
+            return self.head(input_ids, target_positions, hidden, kv_caches, metadata,
+                             rows=last_token_indices, **extra)  # [B, H]
         hidden = self.head(input_ids, target_positions, hidden, kv_caches, metadata, **extra)
         return hidden[last_token_indices]  # [B, H]
 

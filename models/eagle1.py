@@ -42,6 +42,10 @@ class Eagle1Layer(DecoderBlock):
 
 
 class Eagle1Head(nn.Module):
+    # ``forward(..., rows=)`` returns the last layer's output at those rows only
+    # (drafter/eagle.py ``first_forward``).
+    selects_rows = True
+
     def __init__(self, config: HeadConfig, attn_backend: type[AttentionBackend],
                  embed_tokens: nn.Embedding, lm_head: nn.Linear,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
@@ -75,18 +79,21 @@ class Eagle1Head(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, kv_caches: list[LayerKVCache],
-                attn_metadata, splice=None) -> torch.Tensor:
+                attn_metadata, splice=None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [n] (next tokens), positions [n] (or the M-RoPE target's [3, n]: row 0
         is used unless the head's own config has an mrope_section), hidden_states [n, H],
-        splice: image embeddings over image-pad rows (models/embed_splice.py) -> [n, H]."""
+        splice: image embeddings over image-pad rows (models/embed_splice.py) -> [n, H];
+        ``rows`` [m]: only those rows' outputs of the last layer, [m, H] (every layer's K/V
+        still written for all n)."""
         embeds = self.embed_tokens(input_ids)  # [n, H]
         if splice is not None:
             embeds = splice.apply(embeds)
         rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
         hidden = project(self.fc, torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
-        for weights, kv_cache in zip(self._weights.get(self), kv_caches, strict=True):
+        layers = self._weights.get(self)
+        for i, (weights, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             hidden = decoder_forward(weights, hidden, rope, kv_cache, attn_metadata,
-                                     self.regions)
+                                     self.regions, rows if i == len(layers) - 1 else None)
         return hidden
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

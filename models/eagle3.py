@@ -114,7 +114,8 @@ def paired_norm_weight(first: RMSNorm, second: RMSNorm) -> torch.Tensor:
 def midlayer_forward(weights: tuple[BlockWeights, tuple[torch.Tensor, float]],
                      embeds: torch.Tensor, hidden: torch.Tensor, rope: RopeTables,
                      kv_cache: LayerKVCache, attn_metadata,
-                     regions: BlockRegions = EAGER_REGIONS) -> torch.Tensor:
+                     regions: BlockRegions = EAGER_REGIONS,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """EAGLE-3's layer: attention reads [input_norm(embeds), hidden_norm(hidden)] (2H wide),
     the residual is ``hidden``. embeds [n, H], hidden [n, H] -> [n, H].
 
@@ -123,7 +124,7 @@ def midlayer_forward(weights: tuple[BlockWeights, tuple[torch.Tensor, float]],
     block, (norms, eps) = weights
     pair = torch.stack([embeds, hidden], dim=1)  # [n, 2, H]
     z = rms_norm(pair, norms, eps).view(embeds.shape[0], -1)  # [n, 2H]
-    return block_forward(block, z, hidden, rope, kv_cache, attn_metadata, regions)
+    return block_forward(block, z, hidden, rope, kv_cache, attn_metadata, regions, rows=rows)
 
 
 def _midlayer_weights(head: "Eagle3Head") -> tuple[BlockWeights, tuple[torch.Tensor, float]]:
@@ -131,6 +132,10 @@ def _midlayer_weights(head: "Eagle3Head") -> tuple[BlockWeights, tuple[torch.Ten
 
 
 class Eagle3Head(nn.Module):
+    # ``forward(..., rows=)`` returns the last layer's output at those rows only
+    # (drafter/eagle.py ``first_forward``).
+    selects_rows = True
+
     def __init__(self, config: HeadConfig, attn_backend: type[AttentionBackend],
                  embed_tokens: nn.Embedding, target_hidden_size: int, has_vocab_map: bool,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -181,10 +186,11 @@ class Eagle3Head(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, kv_caches: list[LayerKVCache],
-                attn_metadata, splice=None) -> torch.Tensor:
+                attn_metadata, splice=None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [n] (next tokens), positions [n] (or the M-RoPE target's [3, n]: row 0
         is used unless the head's own config has an mrope_section), hidden_states [n, H],
-        splice: image embeddings over image-pad rows (models/embed_splice.py) -> [n, H]."""
+        splice: image embeddings over image-pad rows (models/embed_splice.py) -> [n, H];
+        ``rows`` [m]: only those rows' outputs, [m, H] (K/V still written for all n)."""
         if len(kv_caches) != 1:
             raise ValueError(f"EAGLE-3 has one layer, got {len(kv_caches)} KV caches")
         embeds = self.embed_tokens(input_ids)  # [n, H]
@@ -192,7 +198,7 @@ class Eagle3Head(nn.Module):
             embeds = splice.apply(embeds)
         rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
         return midlayer_forward(self._weights.get(self), embeds, hidden_states.to(embeds.dtype),
-                                rope, kv_caches[0], attn_metadata, self.regions)
+                                rope, kv_caches[0], attn_metadata, self.regions, rows)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> [n, draft_vocab] float32."""

@@ -227,24 +227,33 @@ class BlockWeights(NamedTuple):
 def block_forward(w: BlockWeights, attn_input: torch.Tensor, residual: torch.Tensor,
                   rope: RopeTables, kv_cache: LayerKVCache, attn_metadata,
                   regions: BlockRegions = EAGER_REGIONS,
-                  input_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                  input_norm: tuple[torch.Tensor, float] | None = None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """attn_input [n, input_size] (normed by ``input_norm`` first when given), residual
-    [n, H] -> [n, H]: ``h = residual + attn(attn_input); h + mlp(post_norm(h))``."""
+    [n, H] -> [n, H]: ``h = residual + attn(attn_input); h + mlp(post_norm(h))``.
+
+    ``rows`` [m] (a last layer whose outputs are read at a few tokens only, as a draft
+    head's first forward: its K/V are written for all n tokens, the attention output, o_proj
+    and MLP run for those rows alone) -> [m, H], row for row what [n, H] holds there."""
     a = w.attn
     q, k, v = regions.qkv_rope(attn_input, input_norm, a.qkv, rope.cos, rope.sin_signed,
                                a.num_heads, a.num_kv_heads, a.head_dim)
     out = a.impl.forward(q, k, v, kv_cache, attn_metadata)  # [n, Hq, head_dim]
-    return regions.tail(residual, out.reshape(out.shape[0], a.num_heads * a.head_dim), a.o,
-                        w.post_norm, w.mlp)
+    out = out.reshape(out.shape[0], a.num_heads * a.head_dim)
+    if rows is not None:
+        out, residual = out[rows], residual[rows]
+    return regions.tail(residual, out, a.o, w.post_norm, w.mlp)
 
 
 def decoder_forward(w: BlockWeights, hidden: torch.Tensor, rope: RopeTables,
                     kv_cache: LayerKVCache, attn_metadata,
-                    regions: BlockRegions = EAGER_REGIONS) -> torch.Tensor:
-    """hidden [n, H] -> [n, H], the pre-norm residual decoder layer (the input norm skipped
-    when ``w.input_norm`` is None, as EAGLE-1's first layer)."""
+                    regions: BlockRegions = EAGER_REGIONS,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [n, H] -> [n, H] (``rows``: [m, H], ``block_forward``), the pre-norm residual
+    decoder layer (the input norm skipped when ``w.input_norm`` is None, as EAGLE-1's first
+    layer)."""
     return block_forward(w, hidden, hidden, rope, kv_cache, attn_metadata, regions,
-                         w.input_norm)
+                         w.input_norm, rows)
 
 
 def block_weights(input_norm: "RMSNorm | None", attn: "Attention",

@@ -63,6 +63,8 @@ class MtpHead(nn.Module):
     the layer's prefix), the target's RoPE, and the draft-head interface. Subclasses say how
     the two inputs are fused, what is returned and how logits are made."""
 
+    selects_rows = True  # forward(..., rows=): drafter/eagle.py ``first_forward``
+
     def __init__(self, config: ModelConfig, attn_backend: type[AttentionBackend],
                  embed_tokens: nn.Embedding, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
@@ -108,15 +110,16 @@ class MtpHead(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, kv_caches: list[LayerKVCache],
-                attn_metadata) -> torch.Tensor:
+                attn_metadata, rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [n] (next tokens), positions [n] (or [3, n]: row 0 read), hidden_states
-        [n, H] -> [n, H]; writes the layer's K/V into ``kv_caches[0]``."""
+        [n, H] -> [n, H] (``rows`` [m]: those rows only, [m, H]); writes the layer's K/V
+        into ``kv_caches[0]`` for all n."""
         (kv_cache,) = kv_caches
         embeds = zero_first_position(self.embed_tokens(input_ids), positions)  # [n, H]
         rope = self.rotary_emb.tables(positions, embeds.dtype)
         x = self.fuse(embeds, hidden_states.to(embeds.dtype))
         x = decoder_forward(self._weights.get(self), x, rope, kv_cache, attn_metadata,
-                            self.regions)
+                            self.regions, rows)
         return self.output(x)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

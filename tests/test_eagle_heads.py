@@ -174,6 +174,36 @@ def test_eagle3_forward_matches_dense(name, attention_backend, dirs, targets):
                                **TOL)
 
 
+@pytest.mark.parametrize("name", ["e1_st", "e3"])
+@torch.no_grad()
+def test_rows_give_those_rows_of_the_full_forward_and_the_same_cache(name, attention_backend,
+                                                                      dirs, targets):
+    """``forward(..., rows=)`` (a draft's first forward reads the sampled tokens only):
+    the rows of the full forward, and every token's K/V written exactly as without it."""
+    target = targets["deep" if name == "e3" else "target"]
+    head = load_draft(dirs[name], target, torch.float32, "cpu", get_backend(attention_backend))
+    assert head.selects_rows
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (7, 4)]
+    features = torch.randn(11, 64, generator=g)
+    hidden = head.combine_hidden_states(features) if name == "e1_st" else features
+    outs, caches = [], []
+    for rows in (None, torch.tensor([6, 10])):  # each prompt's last token
+        batch = PagedBatch(2)
+        num_layers, num_kv_heads, head_dim = head.kv_cache_spec()
+        cache = allocate_kv_cache(num_layers, batch.num_blocks, batch.block_size, num_kv_heads,
+                                  head_dim, torch.float32, "cpu")
+        ids, positions, metadata, last = batch.step(prompts, get_backend(attention_backend))
+        assert last == [6, 10]
+        outs.append(head(ids, positions, hidden, cache, metadata, rows=rows))
+        caches.append(cache)
+    assert outs[1].shape == (2, outs[0].shape[1])
+    # (o_proj and the MLP over 2 rows instead of 11: the matmuls may round differently)
+    torch.testing.assert_close(outs[1], outs[0][[6, 10]], rtol=1e-5, atol=1e-5)
+    for full, selected in zip(*caches):
+        assert torch.equal(full.key, selected.key) and torch.equal(full.value, selected.value)
+
+
 @torch.no_grad()
 def test_eagle3_combines_transformers_aux_states(dirs, targets):
     """combine_hidden_states(fc over aux layers 2, L//2, L-3) on the target's own aux output
