@@ -51,9 +51,9 @@ class FirstForwardRunner:
         return key in self.keys
 
     def fits(self, key: tuple) -> bool:
-        """Whether the key's padded rows fit the proposer's first-forward bounds."""
-        bucket, q = key[0], key[1]
-        return bucket <= self.proposer.max_num_seqs and bucket * q <= self.proposer.max_num_tokens
+        """Whether the key's bucket fits the proposer's ``max_num_seqs`` (its padded tokens
+        may pass ``max_num_tokens``, which bounds a step's real tokens only)."""
+        return key[0] <= self.proposer.max_num_seqs
 
     def _forward(self, key: tuple, padded, target_out, max_seq_len: int) -> torch.Tensor:
         """The first forward over the bucket's padded rows (as captured) -> [bucket, H]."""
@@ -63,10 +63,15 @@ class FirstForwardRunner:
         hidden = target_out.aux_hidden_states if key[4] else target_out.hidden_states
         return self.proposer.first_forward(padded.input_ids, padded.positions, hidden,
                                            self.next_ids[:bucket], self.indices[:bucket],
-                                           common, self.kv_caches, metadata=metadata)
+                                           common, self.kv_caches, metadata=metadata,
+                                           padded_rows=True)
 
     def _fill(self, key: tuple, next_ids: torch.Tensor, indices: torch.Tensor) -> None:
-        """Rows 0..B-1 from the step; padding rows: token 0, their own last token."""
+        """Rows 0..B-1 from the step; padding rows: token 0, their own last token. (The
+        head's input ids are the target's shifted by one: the last real row's token after
+        its last kept one, a rejected slot, then reads padding row B's token 0 where the
+        eager batch wraps to its first token; that slot's K/V is garbage either way and
+        overwritten before anything reads it: the draft loop starts at seq_len - rejected.)"""
         bucket, q, batch_size = key[0], key[1], next_ids.shape[0]
         self.next_ids[:batch_size].copy_(next_ids)
         self.indices[:batch_size].copy_(indices)
@@ -79,8 +84,8 @@ class FirstForwardRunner:
         """Prepare ``key`` on a padding-only batch (``padded``: its static inputs;
         ``target_out``: the target graph's static outputs of the key): captured on a GPU,
         run once eagerly on the CPU. Nothing is written to the cache (slot -1); a key
-        whose padded rows pass the proposer's bounds (``fits``) is left to eager runs
-        -> whether the key was prepared."""
+        whose bucket passes the proposer's ``max_num_seqs`` (``fits``) is left to eager
+        runs -> whether the key was prepared."""
         if not self.fits(key):
             return False
         empty = torch.zeros(0, dtype=torch.long, device=self.next_ids.device)

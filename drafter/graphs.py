@@ -10,7 +10,8 @@ what the CPU tests compare against unpadded execution.
 
 What is captured: per step the position/slot/seq-len update, the metadata refresh
 (``build_for_drafting``), the head's forward (KV write + attention) and the argmax. The
-first draft forward over the target's tokens has a ragged shape and runs eagerly before.
+first draft forward over the target's tokens runs before: replayed per target key after a
+padded target step (drafter/first_forward_graphs.py), else eagerly (a ragged batch).
 
 Memory: a graph is captured for one host bound of every step's sequence length,
 ``max_seq_len`` (default ``max_model_len``), and a backend may size work buffers by it:

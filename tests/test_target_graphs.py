@@ -257,6 +257,23 @@ def test_startup_skips_keys_the_token_budget_never_meets(pair):
                     if ({1: 0, 2: 1, 4: 2, 8: 4}[b] + 1) * q <= 16}
 
 
+def test_first_forward_keys_follow_the_targets_under_a_small_token_budget(pair):
+    """max_num_batched_tokens 9: bucket 4 holds 3 rows of q 3 (9 real tokens, 12 padded);
+    the head's first forward is prepared for every key the target is, and replays there."""
+    target, head = pair
+    kwargs = dict(max_num_seqs=8, block_size=4, max_model_len=96, max_num_batched_tokens=9,
+                  **_spec("chain"))
+    llm = LLM(target, draft=head, graph_mode="replay-eagerly", **kwargs)
+    graphs, first = llm.model_runner.graphs, llm.draft_runner.first_graphs
+    aux = llm.draft_runner.aux_layer_ids
+    assert (4, 3, 2, False, aux) in graphs.startup_keys
+    assert first.keys == graphs.startup_keys
+    expected = LLM(target, draft=head, **kwargs).generate(PROMPTS[:3], GREEDY)
+    got = llm.generate(PROMPTS[:3], GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert first.num_runs > 0 and llm.last_stats.acceptance_length > 1.5
+
+
 def test_startup_preparation_writes_no_kv(pair):
     """Canary: preparing every key on padding-only inputs leaves every KV-cache value as it
     was (slot -1 everywhere), for decode, chains and a branching tree's mask."""

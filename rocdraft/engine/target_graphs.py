@@ -21,10 +21,13 @@ the policy may pick, a branching tree's full verification), on batches of paddin
 only (``padding_only_batch``: same layout, slot -1, so capture writes no KV); a key met
 later (a tree cut to a node budget, a prompt chunk of uniform length) is captured on first
 use, logged. Each capture is two warm-up runs on a side stream, then the capture, in the
-memory pool the draft loop's graphs use too (``ModelRunner.graph_pool``): that sharing is
-safe because no graph's output is read after another graph of the pool replays (the target's
-hidden states are consumed by the logits and the head's first forward, eagerly, before the
-draft loop replays; the draft loops write into buffers allocated outside the pool).
+memory pool the head's first forward and the draft loops use too (``ModelRunner.
+graph_pool``). That sharing is safe because every graph's outputs stay allocated (the
+runners keep them, so no later capture is handed their memory) and no graph's output is
+read after another graph of the pool replays: the target's hidden states feed the logits
+(eager) and then the head's first forward (eager, or its graph, drafter/
+first_forward_graphs.py, whose output is cloned at once); the draft loops copy their inputs
+into, and write their results to, buffers allocated outside the pool.
 ``capture_bytes`` records each capture's pool growth.
 
 On the CPU (no graphs) the very same function runs eagerly on the same padded static
