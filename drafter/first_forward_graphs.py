@@ -22,13 +22,9 @@ the eager engine.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from rocdraft.drafter.graphs import capture_one
-
-log = logging.getLogger(__name__)
 
 
 class FirstForwardRunner:
