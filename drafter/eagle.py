@@ -210,18 +210,15 @@ class EagleProposer:
     def first_forward(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
                       target_hidden_states, next_token_ids: torch.Tensor,
                       last_token_indices: torch.Tensor, common: CommonAttentionMetadata,
-                      kv_caches: list[LayerKVCache], splice=None, metadata=None,
-                      padded_rows: bool = False) -> torch.Tensor:
+                      kv_caches: list[LayerKVCache], splice=None, metadata=None
+                      ) -> torch.Tensor:
         """The head over every target token of the step (ids shifted by one, the next token
         at each request's last index), written to the draft KV cache at the target's slots
         -> the head's output at ``last_token_indices`` [B, H]. metadata: this backend's plan
-        of ``common`` when the caller already built it (``propose``), else built here;
-        padded_rows: a graph bucket's padded rows (drafter/first_forward_graphs.py), whose
-        token count may pass ``max_num_tokens`` (the scheduler's budget bounds real tokens)."""
+        of ``common`` when the caller already built it (``propose``), else built here."""
         num_tokens = target_token_ids.shape[0]
         batch_size = common.num_reqs
-        if (num_tokens > self.max_num_tokens and not padded_rows) \
-                or batch_size > self.max_num_seqs:
+        if num_tokens > self.max_num_tokens or batch_size > self.max_num_seqs:
             raise RocdraftError(f"batch of {num_tokens} tokens / {batch_size} requests exceeds "
                                 f"the proposer's buffers ({self.max_num_tokens} / "
                                 f"{self.max_num_seqs})")

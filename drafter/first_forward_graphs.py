@@ -37,6 +37,8 @@ class FirstForwardRunner:
         device = proposer.device
         self.next_ids = torch.zeros(largest_bucket, dtype=torch.long, device=device)
         self.indices = torch.zeros(largest_bucket, dtype=torch.long, device=device)
+        self.row_ends = torch.arange(1, largest_bucket + 1, dtype=torch.long, device=device)
+        self.last_tokens: dict[int, torch.Tensor] = {}  # q -> each row's last token index
         self.keys: set[tuple] = set()  # prepared at start-up
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}  # key -> [bucket, H] (captured)
@@ -46,11 +48,6 @@ class FirstForwardRunner:
     def accepts(self, key: tuple) -> bool:
         return key in self.keys
 
-    def fits(self, key: tuple) -> bool:
-        """Whether the key's bucket fits the proposer's ``max_num_seqs`` (its padded tokens
-        may pass ``max_num_tokens``, which bounds a step's real tokens only)."""
-        return key[0] <= self.proposer.max_num_seqs
-
     def _forward(self, key: tuple, padded, target_out, max_seq_len: int) -> torch.Tensor:
         """The first forward over the bucket's padded rows (as captured) -> [bucket, H]."""
         bucket = key[0]
@@ -59,8 +56,7 @@ class FirstForwardRunner:
         hidden = target_out.aux_hidden_states if key[4] else target_out.hidden_states
         return self.proposer.first_forward(padded.input_ids, padded.positions, hidden,
                                            self.next_ids[:bucket], self.indices[:bucket],
-                                           common, self.kv_caches, metadata=metadata,
-                                           padded_rows=True)
+                                           common, self.kv_caches, metadata=metadata)
 
     def _fill(self, key: tuple, next_ids: torch.Tensor, indices: torch.Tensor) -> None:
         """Rows 0..B-1 from the step; padding rows: token 0, their own last token. (The
@@ -72,18 +68,17 @@ class FirstForwardRunner:
         self.next_ids[:batch_size].copy_(next_ids)
         self.indices[:batch_size].copy_(indices)
         if batch_size < bucket:
+            if q not in self.last_tokens:  # once per query length, not per step
+                self.last_tokens[q] = self.row_ends * q - 1
             self.next_ids[batch_size:bucket].zero_()
-            self.indices[batch_size:bucket].copy_(torch.arange(
-                batch_size + 1, bucket + 1, device=indices.device) * q - 1)
+            self.indices[batch_size:bucket].copy_(self.last_tokens[q][batch_size:bucket])
 
-    def capture(self, key: tuple, padded, target_out, max_seq_len: int) -> bool:
+    def capture(self, key: tuple, padded, target_out, max_seq_len: int) -> None:
         """Prepare ``key`` on a padding-only batch (``padded``: its static inputs;
         ``target_out``: the target graph's static outputs of the key): captured on a GPU,
-        run once eagerly on the CPU. Nothing is written to the cache (slot -1); a key
-        whose bucket passes the proposer's ``max_num_seqs`` (``fits``) is left to eager
-        runs -> whether the key was prepared."""
-        if not self.fits(key):
-            return False
+        run once eagerly on the CPU. Nothing is written to the cache (slot -1). (The
+        proposer's token bound covers a padded bucket: rocdraft/spec_decode/
+        draft_runner.py.)"""
         empty = torch.zeros(0, dtype=torch.long, device=self.next_ids.device)
         self._fill(key, empty, empty)
         if self.use_graphs:
@@ -92,7 +87,6 @@ class FirstForwardRunner:
         else:
             self._forward(key, padded, target_out, max_seq_len)
         self.keys.add(key)
-        return True
 
     def run(self, key: tuple, padded, target_out, max_seq_len: int, next_ids: torch.Tensor,
             indices: torch.Tensor) -> torch.Tensor:

@@ -62,12 +62,12 @@ class LLMEngine:
         head_specs = [head_cache_spec(args.head_dir, spec.method)] if spec else []
         self.model_runner = ModelRunner(args, head_specs, lookahead, self.tree)
         self.policy = DraftPolicy(spec, self.tree) if spec else None
+        # A tree config whose policy may draft chains (its tree-or-chain chooser).
+        chains_in_tree_mode = self.policy is not None and self.policy.shape_chooser is not None
         self.draft_runner = load_draft_runner(
-            args, self.model_runner, self.tree, self.policy.shape_chooser is not None) \
-            if spec else None
+            args, self.model_runner, self.tree, chains_in_tree_mode) if spec else None
         self.model_runner.capture_target_graphs(
-            _startup_shapes(spec, self.tree, self.policy is not None
-                            and self.policy.shape_chooser is not None),
+            _startup_shapes(spec, self.tree, chains_in_tree_mode),
             self.draft_runner.aux_layer_ids if self.draft_runner is not None else ())
         if self.draft_runner is not None:  # after the target's: it reads their outputs
             self.draft_runner.capture_first_forward(self.model_runner.graphs,

@@ -110,7 +110,8 @@ class ModelRunner:
                                            self.torch_dtype, self.device)
         self.sampling_cache = SamplingTensorCache()  # a batch's sampling tensors, kept
         # The graph memory pool the target forward's graphs are captured in (None where they
-        # are not captured); the draft loops capture in it too (engine/loading.py).
+        # are not captured); the head's first forward and the draft loops capture in it too
+        # (engine/loading.py).
         self.graph_pool = None
         self.graphs, self.graph_refusal = self._graph_runner(args, num_lookahead_tokens)
         cfg = self.scheduler_config
@@ -134,7 +135,7 @@ class ModelRunner:
             log.info("target forward runs eagerly: %s", refusal)
         if refusal is not None and not replay:
             return None, refusal
-        if refusal is None:  # one pool for every graph: the target's and the draft loops'
+        if refusal is None:  # one pool for every graph (graph_pool above)
             self.graph_pool = torch.cuda.graph_pool_handle()
         buckets = capture_buckets(args.max_num_seqs)
         _, num_kv_heads, head_dim = self.target.kv_cache_spec()

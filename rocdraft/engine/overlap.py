@@ -15,10 +15,11 @@ What is known before n lands decides the continuation: the requests of n that sa
 still run, less those that n's token finishes by length (max_tokens, max_model_len); no
 request waiting that the scheduler could admit now (below ``max_num_seqs`` it is admitted
 after n lands; at ``max_num_seqs`` it waits for a request to finish either way, and joins
-one step later than in the synchronous engine); blocks for one more token each. Otherwise n lands first and the scheduler plans the next step as in
-the synchronous engine. A request that n finishes by EOS or a stop id (or that is aborted
-between steps) still computes one token in n+1: that row is dropped when n+1 lands, and its
-KV write lands in blocks freed after n, which any later step overwrites in stream order.
+one step later than in the synchronous engine); blocks for one more token each. Otherwise
+n lands first and the scheduler plans the next step as in the synchronous engine. A
+request that n finishes by EOS or a stop id (or that is aborted between steps) still
+computes one token in n+1: that row is dropped when n+1 lands, and its KV write lands in
+blocks freed after n, which any later step overwrites in stream order.
 
 Speculative steps stay synchronous: their next inputs (positions, slots, the drafts'
 count) depend on how many drafts the step accepts. Launching them ahead would need the
@@ -112,8 +113,9 @@ class DecodeOverlap:
             self.pending = self._launch(scheduled, None, None)
         landing = self.pending
         follow = continuation(scheduler, landing, self.max_model_len)
-        self.pending = None if follow is None else self._launch(*follow, landing)
+        self.pending = None
         if follow is not None:
+            self.pending = self._launch(*follow, landing)
             self.num_overlapped += 1
         return self._land(landing, scheduler, stats)
 

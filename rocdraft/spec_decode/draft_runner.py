@@ -32,6 +32,7 @@ from rocdraft.drafter.eagle import EagleProposer
 from rocdraft.drafter.first_forward_graphs import FirstForwardRunner
 from rocdraft.drafter.graphs import DraftGraphPlan, capture_buckets, graph_capture_refusal
 from rocdraft.drafter.tree_draft import TreeDrafts
+from rocdraft.drafter.tree_spec import draft_lookahead
 from rocdraft.sample.tree_sampler import TreeVerifyResult
 from rocdraft.sample.tree_step import head_inputs_after_tree
 
@@ -89,8 +90,12 @@ class DraftRunner:
                 capture_buckets(limits.max_num_seqs), use_graphs=self.graph_refusal is None,
                 chain=tree is None or (chain_in_tree_mode and tree.depth >= k),
                 tree=tree is not None, pool=graph_pool)
+        # Tokens of a first forward: a step's budget, or a graph bucket's padded rows
+        # (drafter/first_forward_graphs.py: max_num_seqs rows of a verify step's length).
+        verify_len = (draft_lookahead(tree) if tree is not None else k) + 1
         self.proposer = EagleProposer(
-            head, self.backend, k, max_num_tokens=limits.max_num_batched_tokens,
+            head, self.backend, k,
+            max_num_tokens=max(limits.max_num_batched_tokens, limits.max_num_seqs * verify_len),
             max_num_seqs=limits.max_num_seqs, max_model_len=limits.max_model_len,
             block_size=limits.block_size, vocab_size=vocab_size, device=device, tree=tree,
             graphs=plan)
@@ -116,11 +121,10 @@ class DraftRunner:
             bucket, q, drafts, mask, aux = key
             if mask or aux != tuple(self.aux_layer_ids) or self.first_graphs.accepts(key):
                 continue
-            if not self.first_graphs.fits(key):
-                continue
             batch = make_batch(UniformShape(q, drafts), bucket)
-            done += self.first_graphs.capture(key, batch.padded, target_graphs.outputs[key],
-                                              target_graphs.max_seq_len)
+            self.first_graphs.capture(key, batch.padded, target_graphs.outputs[key],
+                                      target_graphs.max_seq_len)
+            done += 1
         return done
 
     def head_features(self, out):
@@ -139,12 +143,10 @@ class DraftRunner:
         where it runs over that same batch (``_plan_to_reuse``). target_graphs: the target's
         graph runner (its static inputs and outputs feed the replayed first forward)."""
         plan = self._plan_to_reuse(target_plan, verified_tree)
-        replayed = verified_tree is None
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
         args, rejected, splice = self._head_inputs(batch, sampled, hidden)
-        first = self._replayed_first_forward(batch, args, target_graphs) \
-            if replayed and splice is None else None
+        first = self._replayed_first_forward(batch, verified_tree, args, target_graphs)
         return ChainDrafts(self.proposer.propose(*args, num_rejected=rejected,
                                                  num_drafts=num_drafts, splice=splice,
                                                  metadata=plan, sample_hidden=first))
@@ -157,20 +159,22 @@ class DraftRunner:
         makes the head's first forward the chain's. target_plan, target_graphs: as
         ``propose_chain``'s."""
         plan = self._plan_to_reuse(target_plan, verified_tree)
-        replayed = verified_tree is None
         if verified_tree is not None:
             batch, hidden = head_inputs_after_tree(batch, hidden, verified_tree)
         args, _, _ = self._head_inputs(batch, sampled, hidden)  # (no trees with images)
-        first = self._replayed_first_forward(batch, args, target_graphs) if replayed else None
+        first = self._replayed_first_forward(batch, verified_tree, args, target_graphs)
         return self.proposer.propose_tree(*args, budget, metadata=plan, sample_hidden=first)
 
-    def _replayed_first_forward(self, batch: StepBatch, args: tuple, target_graphs
-                                ) -> torch.Tensor | None:
+    def _replayed_first_forward(self, batch: StepBatch,
+                                verified_tree: TreeVerifyResult | None, args: tuple,
+                                target_graphs) -> torch.Tensor | None:
         """The first forward's output [B, H] through the first-forward runner when the
-        target ran ``batch`` padded in a prepared key (``args``: ``_head_inputs``'s, the
-        padded path's); None: the proposer runs it eagerly."""
+        target ran ``batch`` padded in a prepared key and the head reads it as it is (not
+        reordered after a tree, no image splice); ``args``: ``_head_inputs``'s, the padded
+        path's. None: the proposer runs it eagerly."""
         runner = self.first_graphs
-        if runner is None or target_graphs is None or batch.padded is None:
+        if runner is None or target_graphs is None or batch.padded is None \
+                or verified_tree is not None or batch.head_splice is not None:
             return None
         key = graph_key(batch, self.aux_layer_ids)
         if not runner.accepts(key):
