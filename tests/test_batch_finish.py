@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from rocdraft.config import SpeculativeConfig
-from rocdraft.spec_decode.batch_finish import (MAX_TRACKED, PRIOR_POSITIONS, SCALE_STEPS, TIE_SHARE,
+from rocdraft.spec_decode.batch_finish import (MAX_TRACKED, PRIOR_POSITIONS, SCALE_STEPS,
+                                               STOP_OPTIMISM, TIE_SHARE,
                                                BatchOutlook, RequestAcceptance,
                                                expected_max_normal, finish_step_times,
                                                tokens_per_step)
@@ -198,9 +199,14 @@ MIXED = [0.95, 0.9, 0.9, 0.9, 0.85, 0.85, 0.55, 0.45]
 
 @pytest.mark.parametrize("alphas, within, per_step_beyond", [
     (MIXED, 1.04, 1.06),
-    ([0.95] * 6 + [0.3] * 2, 1.07, 1.15),  # two requests the head cannot draft for
+    # two requests the head cannot draft for: d = 0 is best, found once their scales are
+    # sure (STOP_OPTIMISM; 1.056 when the outlook stopped on the first low reading)
+    ([0.95] * 6 + [0.3] * 2, 1.10, 1.15),
     ([0.85] * 8, 1.03, None),  # alike: the outlook changes little
-], ids=["mixed", "two-bad", "alike"])
+    # spread as the built-in pair's requests at bs 8, d = 1 best: 1.04 when the outlook
+    # stopped drafting on a slow request's first low readings
+    ([0.85, 0.82, 0.8, 0.78, 0.76, 0.74, 0.7, 0.62], 1.025, None),
+], ids=["mixed", "two-bad", "alike", "pair-like"])
 def test_the_outlook_finishes_batches_near_the_best_fixed_count(alphas, within,
                                                                  per_step_beyond):
     """Batches of requests with known ends, each run to its last request, 30 in a row (the
@@ -221,6 +227,37 @@ def test_the_outlook_finishes_batches_near_the_best_fixed_count(alphas, within,
         per_step = run_batches(lambda b, o: policy.num_drafts(b), alphas, batches, tokens,
                                seed, policy)
         assert per_step > per_step_beyond * best, (per_step / best, fixed)
+
+
+def test_the_outlook_stops_drafting_only_on_scales_it_can_trust():
+    """A d = 0 step verifies nothing, so the scales the outlook stops drafting on are never
+    corrected: it stops only when d = 0 wins with every scale STOP_OPTIMISM standard errors
+    higher. One request of eight rejects every draft of steps at d = 1 (the others accept
+    them all): after 10 steps its scale reads 0.5 (d = 0 finishes first on it) but 0.64
+    hopeful (d = 1 does), so the policy drafts on; after 20 it reads 0.38, 0.5 hopeful,
+    and plain decoding finishes first either way. The per-step objective drafts all along."""
+    def after(steps: int) -> tuple[DraftPolicy, BatchOutlook]:
+        policy = cost_policy()
+        for _ in range(2 * (K + 1)):  # past the sweep
+            policy.num_drafts(8)
+        keys = list(range(8))
+        verify_s, draft_s = step_seconds(8, 1, 1)
+        for _ in range(steps):
+            policy.observe(StepRecord(
+                batch_size=8, has_prefill=False, seconds=verify_s + draft_s, produced=15,
+                any_verified=True, drafted=True, shape=None, verified_tree=False,
+                samples=[True] * 8, chain_verified=[1] * 8, chain_accepted=[1] * 7 + [0],
+                chain_keys=keys, num_drafts=1, draft_seconds=draft_s))
+        return policy, BatchOutlook(tuple(keys), (30,) * 7 + (40,))
+
+    for steps, drafts in ((10, 1), (20, 0)):
+        policy, outlook = after(steps)
+        pooled = policy.acceptance.pooled_rate
+        plain = policy.request_acceptance.scale(7, pooled)
+        hopeful = policy.request_acceptance.scale(7, pooled, STOP_OPTIMISM)
+        assert plain < hopeful < 1.0
+        assert policy.num_drafts(8) >= 1  # per step: draft
+        assert policy.num_drafts(8, outlook) == drafts, (steps, plain, hopeful)
 
 
 def test_policy_observe_keeps_each_requests_acceptance_until_it_finishes():

@@ -135,6 +135,13 @@ def test_min_drafts_bounds_the_sweep_the_choice_and_the_probes():
     assert min(choices) == 1 and Counter(choices[8:]).most_common(1)[0][0] == 1
     assert best_num_drafts(plain_fastest, [0.5] * K) == 0
     assert best_num_drafts(plain_fastest, [0.5] * K, min_drafts=1) == 1
+    # the same bound for one decision (the outlook's, rocdraft/spec_decode/policy.py):
+    # past the sweep, neither the choice nor a probe drafts 0
+    times = RealizedStepTimes(K)
+    choices = [times.decide(1, plain_fastest, [0.5] * K, min_drafts=1) for _ in range(256)]
+    assert choices[:10] == [4, 4, 3, 3, 2, 2, 1, 1, 0, 0]  # the sweep is the bucket's own
+    assert min(choices[10:]) == 1
+    assert times.decide(1, plain_fastest, [0.5] * K) == 0
 
 
 # --- the simulated engine -------------------------------------------------------------------

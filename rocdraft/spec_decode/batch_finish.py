@@ -35,6 +35,18 @@ the running rates as they are now (rho is decayed as they are, so a request the 
 rates have come to describe reads about 1, and one the finished fast requests still weigh
 on reads below it).
 
+Why d = 0 is decided on hopeful scales. The outlook may prefer d = 0 where the per-step
+objective drafts (a slow request makes every drafting step wait for it). But a d = 0 step
+verifies nothing, so the scales that chose it are never corrected: on the built-in pair at
+bs 8 one request read rho = 0.64 after 4 steps (it accepted about 0.75 of the pooled rate
+over the whole run), the outlook put d = 0 1.5% ahead of d = 1, and the policy decoded
+without drafts for the remaining 45 steps, at 0.84-0.91x of fixed d = 1 where the per-step
+times favoured d = 1 by 16%. So the outlook stops drafting only when d = 0 also wins with
+every scale STOP_OPTIMISM standard errors higher (``RequestAcceptance.scale``); until
+then it chooses among d >= 1, whose steps keep measuring. A request the head truly cannot
+draft for is found within a few steps (its standard error shrinks as it verifies), which
+costs the simulated batches with two such requests about 3% (tests/test_batch_finish.py).
+
 Worked example (k = 1, rates [0.8]; T(1, d) = 5, 7 ms and T(2, d) = 6, 10 ms, so c0 = 4, 4
 and c1 = 1, 3): two requests with 10 tokens left, rho 1 and 0.5 (m = 1.8 and 1.4, v = 0.16
 and 0.24; g_2 = 0.59): d = 0 takes 4 * 10 + 1 * 20 = 60 ms; d = 1 takes
@@ -54,6 +66,7 @@ PRIOR_POSITIONS = 8.0  # positions of shrinkage towards the batch's rates (rho =
 SCALE_STEPS = 32  # requests whose scales round alike (to 1/32) are counted as one group
 MAX_TRACKED = 4096  # requests tracked at most (then only those of the step at hand)
 TIE_SHARE = 0.01  # of the mean's gain the slowest keeps where the spread says it gains none
+STOP_OPTIMISM = 1.0  # standard errors added to each scale before the outlook stops drafting
 
 
 @dataclass(frozen=True)
@@ -92,10 +105,12 @@ class RequestAcceptance:
         for key in keys:
             self.counts.pop(key, None)
 
-    def scale(self, key, pooled_rate: float) -> float:
+    def scale(self, key, pooled_rate: float, optimism: float = 0.0) -> float:
         """rho: the request's accepted share of the positions it verified, shrunk towards
         ``pooled_rate`` (the running rates' accepted share, every request's) by
-        PRIOR_POSITIONS positions, over ``pooled_rate``; 1 for a request not seen.
+        PRIOR_POSITIONS positions, plus ``optimism`` standard errors of that share
+        (sqrt(p (1 - p) / (positions + PRIOR_POSITIONS))), over ``pooled_rate``; 1 for a
+        request not seen.
 
         Against the running rates *now*, not when each draft was verified: at the end of a
         batch the running rates drift towards the requests still running, and a request
@@ -105,11 +120,16 @@ class RequestAcceptance:
         >>> acc.observe(["a"], [4], [0])  # 1 position verified, none accepted
         >>> round(acc.scale("a", 0.8), 3), acc.scale("b", 0.8)  # (0 + 6.4) / 9 / 0.8
         (0.889, 1.0)
+        >>> round(acc.scale("a", 0.8, 1.0), 3)  # (0.711 + sqrt(0.711 * 0.289 / 9)) / 0.8
+        1.078
         """
         accepted, positions = self.counts.get(key, (0, 0))
         if pooled_rate <= 0.0:
             return 1.0
         shrunk = (accepted + PRIOR_POSITIONS * pooled_rate) / (positions + PRIOR_POSITIONS)
+        if optimism:
+            shrunk += optimism * math.sqrt(max(shrunk * (1.0 - shrunk), 0.0)
+                                           / (positions + PRIOR_POSITIONS))
         return shrunk / pooled_rate
 
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 from rocdraft.config import SpeculativeConfig
 from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
-from rocdraft.spec_decode.batch_finish import (BatchOutlook, RequestAcceptance,
-                                               finish_step_times)
+from rocdraft.spec_decode.batch_finish import (STOP_OPTIMISM, BatchOutlook,
+                                               RequestAcceptance, finish_step_times)
 from rocdraft.spec_decode.cost_model import (EXPLORE_EVERY, AcceptanceTracker, StepCosts,
                                              batch_bucket)
 from rocdraft.spec_decode.draft_shape import DraftShapeChooser, chain_on_tree_step
@@ -139,6 +139,7 @@ class DraftPolicy:
         self.policy_steps += 1
         timer = self.realized_times if self.realized_times is not None else self.given_times
         times = self._step_times(batch_size, costs, cap)
+        fewest = 0  # the fewest drafts the decision may make
         if outlook is not None and min(outlook.remaining) > 0:
             # T(1, d): these times moved to one request by the prior's shape (bucket 1's
             # own estimates have few samples where a batch of 8 only passes through)
@@ -146,10 +147,22 @@ class DraftPolicy:
             pooled = self.acceptance.pooled_rate
             one = [rescale(t, v1 + d1, vb + db) for t, vb, db, v1, d1
                    in zip(times, *at_size, *at_one)]
-            times = finish_step_times(
-                times, one, batch_size, self.acceptance.rates, list(outlook.remaining),
-                [self.request_acceptance.scale(key, pooled) for key in outlook.keys])
-        return timer.decide(batch_size, times, self.acceptance.rates)
+            per_step, rates, remaining = times, self.acceptance.rates, list(outlook.remaining)
+
+            def finish(optimism: float) -> list[float]:
+                return finish_step_times(
+                    per_step, one, batch_size, rates, remaining,
+                    [self.request_acceptance.scale(key, pooled, optimism)
+                     for key in outlook.keys])
+
+            times = finish(0.0)
+            # d = 0 stops drafting on the outlook only when it wins on hopeful scales too
+            # (STOP_OPTIMISM, rocdraft/spec_decode/batch_finish.py: d = 0 verifies
+            # nothing, so the scales it was chosen on would never be corrected)
+            if best_num_drafts(per_step, rates) > 0 and best_num_drafts(times, rates) == 0 \
+                    and best_num_drafts(finish(STOP_OPTIMISM), rates) > 0:
+                fewest = 1
+        return timer.decide(batch_size, times, self.acceptance.rates, fewest)
 
     def _step_times(self, batch_size: int, costs: StepCosts, cap: int) -> list[float]:
         """T(0..cap) at ``batch_size``: realized (rocdraft/spec_decode/realized_times.py), or

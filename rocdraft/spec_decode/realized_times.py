@@ -210,9 +210,11 @@ class RealizedStepTimes:
         bucket.step_times[key] = (bucket.samples, tuple(times))
         return times
 
-    def decide(self, batch_size: int, step_times: list[float], rates: list[float]) -> int:
+    def decide(self, batch_size: int, step_times: list[float], rates: list[float],
+               min_drafts: int = 0) -> int:
         """The drafts per request of this policy step: the sweep, then the best count or
-        a due probe (the module docstring)."""
+        a due probe (the module docstring), of at least ``min_drafts`` (and the
+        constructor's) drafts after the sweep."""
         bucket = self._bucket(batch_size)
         i = bucket.steps
         bucket.steps += 1
@@ -220,10 +222,11 @@ class RealizedStepTimes:
         if self.sweep and i < 2 * counts:  # the sweep: k, k, k - 1, ..., min, min
             choice = len(step_times) - 1 - i // 2
         else:
-            best = best_num_drafts(step_times, rates, self.min_drafts)
+            fewest = max(self.min_drafts, min_drafts)
+            best = best_num_drafts(step_times, rates, fewest)
             since = {d: i - bucket.last.get(d, -1)  # never drafted: as if at step -1
-                     for d in range(self.min_drafts, len(step_times))}
-            probe = due_probe(step_times, rates, best, since, self.min_drafts)
+                     for d in range(fewest, len(step_times))}
+            probe = due_probe(step_times, rates, best, since, fewest)
             choice = best if probe is None else probe
         bucket.last[choice] = i
         return choice
