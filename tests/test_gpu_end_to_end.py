@@ -10,6 +10,8 @@
   decode, chain and tree verification at every bucket of max_num_seqs 8, reports its
   capture memory, and
   a captured decode / verify step reads the device once;
+- a fixed-policy chain with its steps launched ahead (async scheduling) equals the
+  synchronous engine;
 - tree speculation (static and dynamic trees: tree-masked verification, KV compaction with
   the device kernels, the per-level tree loop captured per bucket) equals target-only;
 - the fused kernels (HIP extension, Triton) through the drafter's dispatch equal the torch
@@ -250,3 +252,29 @@ def test_captured_target_forward_equals_eager(pair, backend, kind):
     with count_syncs() as counter:
         engine.step()
     assert counter.total == 1, counter.counts
+
+
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "TRITON_ATTN"])
+def test_async_speculative_steps_on_device_equal_synchronous(pair, backend):
+    """float32, so exact: a chain under the fixed policy with its steps launched ahead
+    (rocdraft/engine/overlap.py: the next verify's positions, slots and seq lens moved on
+    the device by the accepted counts, the target forward replayed from its static inputs)
+    gives the synchronous engine's tokens, with most steps launched ahead."""
+    from rocdraft.engine import LLM
+
+    reason = _runnable(backend)
+    if reason:
+        pytest.skip(f"{backend} cannot run here: {reason}")
+    kwargs = dict(device="cuda", dtype="float32", attention_backend=backend, max_num_seqs=8,
+                  max_model_len=256, draft=pair["eagle3"],
+                  speculative_config=SpeculativeConfig("eagle3", 3, draft_policy="fixed"))
+    sync = LLM(pair["target"], async_scheduling=False, **kwargs)
+    overlapped = LLM(pair["target"], **kwargs)  # auto: on for a fixed chain on a GPU
+    assert sync.overlap is None and overlapped.overlap is not None
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for size in (1, 3, 5):
+        expected = [o.token_ids for o in sync.generate(PROMPTS[:size], params)]
+        before = overlapped.overlap.num_overlapped
+        assert [o.token_ids for o in overlapped.generate(PROMPTS[:size], params)] == expected
+        assert overlapped.last_stats.acceptance_length > 1.5
+        assert overlapped.overlap.num_overlapped - before >= 3

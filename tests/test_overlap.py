@@ -1,8 +1,8 @@
-"""Async decode (rocdraft/engine/overlap.py) on the CPU: the engine launches each
-target-only decode step before the previous one lands, and its outputs (greedy and seeded,
-with requests stopping at stop ids and max_tokens, joining, being aborted and preempted
-between steps, through the padded graph runner and eagerly) equal the synchronous
-engine's. On the CPU the launched step runs to its end before the previous one is read, so
+"""Async scheduling (rocdraft/engine/overlap.py) on the CPU: the engine launches each
+target-only decode step, and each speculative step of a chain under the fixed policy,
+before the previous one lands, and its outputs (greedy and seeded, with requests stopping
+at stop ids and max_tokens, joining, being aborted and preempted between steps, through the
+padded graph runner and eagerly) equal the synchronous engine's. On the CPU the launched step runs to its end before the previous one is read, so
 these tests prove the bookkeeping (which requests continue, their positions, slots and
 input tokens gathered on the device, the rows dropped after a stop), not the overlap's
 speed: that the GPU stays busy is for bench_shapes.py on the hardware."""
@@ -164,10 +164,15 @@ def _running(rid: int, outputs: int, max_tokens: int, blocks: list[int]) -> Requ
     return req
 
 
-def _launched(scheduled: list[ScheduledRequest]) -> LaunchedStep:
-    batch = build_step_batch(scheduled, 8, 4, "cpu")
-    sampled = torch.zeros(len(scheduled), 1, dtype=torch.long)
-    return LaunchedStep(scheduled, batch, sampled, sampled, None, {})
+def _launched(scheduled: list[ScheduledRequest], drafts: int = 0) -> LaunchedStep:
+    for item in scheduled:
+        item.request.spec_token_ids = [0] * item.num_draft_tokens
+    batch = build_step_batch(scheduled, 16, 4, "cpu")
+    width = 1 + max(item.num_draft_tokens for item in scheduled)
+    sampled = torch.zeros(len(scheduled), width, dtype=torch.long)
+    return LaunchedStep(scheduled, batch, sampled, sampled, None, {},
+                        torch.zeros(len(scheduled), drafts, dtype=torch.long) if drafts
+                        else None, drafts)
 
 
 def test_continuation_docstring_example_and_when_it_waits():
@@ -183,7 +188,7 @@ def test_continuation_docstring_example_and_when_it_waits():
     follow = continuation(scheduler, previous, 32)
     assert follow is not None
     rows, in_flight = follow
-    assert [s.request for s in rows] == [a] and in_flight == [(1, 0)]
+    assert [s.request for s in rows] == [a] and in_flight == [(1, 0, 0)]
     # a: 7 tokens, position 6 in flight, the continuation writes position 7: 2 blocks hold it.
     assert len(a.block_ids) == 2
     batch = build_step_batch(rows, 8, 4, "cpu", in_flight=in_flight)
@@ -219,9 +224,186 @@ def test_fill_inputs_gathers_each_rows_token_from_the_previous_step():
 def test_async_scheduling_refusals(target, tmp_path):
     with pytest.raises(RocdraftError, match="async_scheduling must be None"):
         LLM(target, async_scheduling="yes")
-    with pytest.raises(RocdraftError, match="drafts it accepts"):
+    with pytest.raises(RocdraftError, match="draft_policy='cost' times each step"):
         LLM(target, draft=target, speculative_config=SpeculativeConfig("eagle", 2),
+            async_scheduling=True)
+    with pytest.raises(RocdraftError, match="a tree config's steps run synchronously"):
+        LLM(target, draft=target, speculative_config=SpeculativeConfig(
+            "eagle", 2, draft_policy="fixed", speculative_token_tree="[(0,), (1,), (0, 0)]"),
             async_scheduling=True)
     with pytest.raises(RocdraftError, match="tensor_parallel_size 2"):
         LLM(target, tensor_parallel_size=2, async_scheduling=True)
     assert LLM(target).overlap is None  # auto: off on the CPU
+
+
+# --- speculative steps launched ahead ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A cyclic target and an EAGLE-3 head that is right most of the time (drafts accepted)."""
+    from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
+
+    root = tmp_path_factory.mktemp("overlap_spec")
+    target = write_cyclic_llama(root / "target")
+    return str(target), str(write_cyclic_eagle3_head(root / "eagle3", target))
+
+
+SPEC_PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11, [3, 3, 3]]
+
+
+def _spec(pair, overlap: bool, k: int = 3, **kwargs) -> LLM:
+    target, head = pair
+    return LLM(target, draft=head, speculative_config=SpeculativeConfig(
+        "eagle3", k, draft_policy="fixed"), max_num_seqs=8, block_size=4, max_model_len=96,
+        async_scheduling=overlap, **kwargs)
+
+
+@pytest.mark.parametrize("graph_mode", ["auto", "replay-eagerly"])
+def test_async_speculative_steps_equal_the_synchronous_engine(pair, graph_mode,
+                                                               attention_backend):
+    """Chains of 3 drafts, greedy, every backend of the matrix (each reads the host's seq
+    lens as the bound of accepting every draft, the device's as exact): every request's
+    tokens and finish reason equal the synchronous engine's, drafts are accepted (the
+    launched step's positions, slots and seq lens moved on the device by what the landing
+    step accepted), most steps are launched ahead, and nothing holds a block after."""
+    sync = _spec(pair, False, graph_mode=graph_mode, attention_backend=attention_backend)
+    overlapped = _spec(pair, True, graph_mode=graph_mode,
+                       attention_backend=attention_backend)
+    assert sync.overlap is None and overlapped.overlap is not None
+    # (the Triton interpreter is slow: one batch of 3, bucket 4)
+    for size in (3,) if attention_backend == "TRITON_ATTN" else (1, 2, 3, 5):
+        prompts = SPEC_PROMPTS[:size]
+        free = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * size
+        params = _params([o.token_ids for o in sync.generate(prompts, free)], False)
+        expected = [(o.token_ids, o.finish_reason) for o in sync.generate(prompts, params)]
+        before = overlapped.overlap.num_overlapped
+        got = [(o.token_ids, o.finish_reason) for o in overlapped.generate(prompts, params)]
+        assert got == expected, size
+        stats = overlapped.last_stats
+        assert stats.num_accepted_drafts / stats.num_verify_steps > 1.0  # drafts accepted
+        assert overlapped.overlap.num_overlapped - before >= 2, size
+        assert stats.generated_tokens == sync.last_stats.generated_tokens
+    assert not overlapped.scheduler.running and overlapped.num_free_blocks == \
+        overlapped.num_blocks
+
+
+def test_async_speculative_steps_with_joins_aborts_and_preemption(pair):
+    """The step API under KV pressure with requests added and aborted between steps: every
+    request streams the synchronous engine's tokens; a seeded random request among them
+    (its noise needs its output length on the host) is stepped synchronously."""
+    streams, overlapped = [], 0
+    for overlap in (False, True):
+        target, head = pair
+        engine = LLMEngine(target, draft=head, speculative_config=SpeculativeConfig(
+            "eagle3", 3, draft_policy="fixed"), max_num_seqs=8, block_size=4,
+            max_model_len=64, num_kv_blocks=24, async_scheduling=overlap)
+        streamed, step = {}, 0
+        arrivals = {0: [0, 1], 3: [2, 3], 6: [4]}
+        while step < 9 or engine.has_unfinished_requests():
+            for i in arrivals.get(step, []):
+                extra = {"temperature": 0.8, "seed": 5, "max_tokens": 5} if i == 4 \
+                    else {"temperature": 0.0, "max_tokens": 30}
+                engine.add_request(i, SPEC_PROMPTS[i], SamplingParams(ignore_eos=True,
+                                                                      **extra))
+                streamed[i] = []
+            if step == 7:
+                assert engine.abort_request(1)
+            for out in engine.step():
+                streamed[out.request_id] += out.new_token_ids
+            step += 1
+        assert engine.stats.num_preemptions > 0
+        assert engine.stats.num_accepted_drafts > engine.stats.num_verify_steps
+        if overlap:
+            overlapped = engine.overlap.num_overlapped
+        assert engine.num_free_blocks == engine.num_blocks
+        streams.append(streamed)
+    assert streams[0] == streams[1]
+    assert overlapped > 3, overlapped
+
+
+def test_an_async_speculative_step_reads_the_host_once(pair):
+    """Steady speculative decoding: each engine step launches the next step (verify, the
+    draft loop) and lands the previous one with one read of its tokens and drafts."""
+    target, head = pair
+    engine = LLMEngine(target, draft=head, speculative_config=SpeculativeConfig(
+        "eagle3", 3, draft_policy="fixed"), max_num_seqs=8, block_size=4, max_model_len=96,
+        graph_mode="replay-eagerly", async_scheduling=True)
+    for i, prompt in enumerate(SPEC_PROMPTS[:3]):
+        engine.add_request(i, prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                                                     ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.overlap.pending is not None
+    for _ in range(3):
+        launched = engine.overlap.num_overlapped
+        with count_syncs() as counter:
+            outputs = engine.step()
+        assert counter.total == 1, counter.counts
+        assert engine.overlap.num_overlapped - launched == 1
+        assert any(len(o.new_token_ids) > 1 for o in outputs)  # drafts accepted
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_fill_inputs_moves_a_speculative_step_by_what_the_previous_one_accepted():
+    """The docstring's example: rows sampled [[5, 6, -1], [7, -1, -1]] (1 and 0 drafts
+    accepted) and drafted [[8, 9], [3, 4]]; the next step verifies those 2 drafts per row,
+    built as if nothing was accepted (positions 10.. and 20..): row 0 moves one on."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                             block_size=4, num_blocks=16)
+    scheduler = Scheduler(config)
+    a = _running(0, 8, 40, scheduler.allocator.allocate(4))  # 11 tokens, 10 computed
+    b = _running(1, 18, 40, scheduler.allocator.allocate(6))  # 21 tokens, 20 computed
+    rows = [ScheduledRequest(a, 3, 2), ScheduledRequest(b, 3, 2)]
+    batch = build_step_batch(rows, 8, 4, "cpu", in_flight=[(0, 0, 2), (0, 1, 2)])
+    assert batch.positions.tolist() == [10, 11, 12, 20, 21, 22]
+    assert batch.common.seq_lens.tolist() == [13, 23]
+    assert batch.common.seq_lens_cpu.tolist() == [15, 25]  # the bound: both drafts kept
+    assert batch.common.max_seq_len == 25
+    fill_inputs(batch, torch.tensor([[5, 6, -1], [7, -1, -1]]),
+                torch.tensor([[8, 9], [3, 4]]), 4)
+    assert batch.input_ids.tolist() == [6, 8, 9, 7, 3, 4]
+    assert batch.draft_token_ids.tolist() == [[8, 9], [3, 4]]
+    assert batch.positions.tolist() == [11, 12, 13, 20, 21, 22]
+    assert batch.common.seq_lens.tolist() == [14, 23]
+    slot = lambda req, p: req.block_ids[p // 4] * 4 + p % 4  # noqa: E731
+    assert batch.common.slot_mapping.tolist() == [slot(a, 11), slot(a, 12), slot(a, 13),
+                                                  slot(b, 20), slot(b, 21), slot(b, 22)]
+
+
+def test_continuation_of_a_speculative_step():
+    """Each request goes on verifying the drafts the landing step made, with blocks for
+    keeping every draft in flight; one that the landing step finishes by length for sure
+    does not; it waits for the landing where a request is seeded, its next drafts would
+    pass max_model_len, or a running request would be left out."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                             block_size=4, num_blocks=16)
+    scheduler = Scheduler(config)
+    a = _running(0, 4, 30, scheduler.allocator.allocate(2))  # 7 tokens, 6 computed
+    b = _running(1, 4, 30, scheduler.allocator.allocate(2))
+    scheduler.running += [a, b]
+    items = [ScheduledRequest(a, 3, 2), ScheduledRequest(b, 3, 2)]  # verifying 2 drafts
+    previous = _launched(items, drafts=2)
+    rows, in_flight = continuation(scheduler, previous, 64, lookahead=2)
+    assert [(s.request, s.num_new_tokens, s.num_draft_tokens) for s in rows] == \
+        [(a, 3, 2), (b, 3, 2)]
+    assert in_flight == [(1, 0, 2), (1, 1, 2)]
+    # the most a keeps in flight: 9 computed; then 3 more: 12 slots, 3 blocks (the
+    # scheduler adds its own lookahead, none here)
+    assert len(a.block_ids) == 3
+    b.block_ids += scheduler.allocator.allocate(7)
+    for outputs, goes_on in ((27, [a, b]), (29, [a])):
+        # 27: may reach max_tokens 30 with what is in flight (its next row is then dropped
+        # when it lands); 29: reaches it for sure, and a goes on alone
+        b.output_token_ids, b.num_computed_tokens = [5] * outputs, 3 + outputs - 1
+        follow = continuation(scheduler, _launched(items, drafts=2), 64, 2)
+        assert (follow and [s.request for s in follow[0]]) == goes_on, outputs
+    b.output_token_ids, b.num_computed_tokens = [5] * 4, 6
+    b.params = SamplingParams(temperature=0.8, seed=3, max_tokens=30)
+    assert continuation(scheduler, _launched(items, drafts=2), 64, 2) is None
+    b.params = a.params
+    assert continuation(scheduler, _launched(items[:1], drafts=2), 64, 2) is None  # b left out
+    # 7 tokens, 2 drafts kept, 1 token and 2 next drafts, 2 lookahead: 15 positions
+    assert continuation(scheduler, _launched(items, drafts=2), 60, 2) is not None
+    assert continuation(scheduler, _launched(items, drafts=2), 12, 2) is None

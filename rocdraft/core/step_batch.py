@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -11,6 +12,18 @@ from rocdraft.drafter.tree_index import host_depths, verify_tree_mask
 from rocdraft.core.multimodal import step_inputs as step_image_inputs
 from rocdraft.core.scheduler import ScheduledRequest
 from rocdraft.core.step_inputs import StepInputBuffers
+
+
+class InFlight(NamedTuple):
+    """A request of a step launched before the previous step landed (async scheduling,
+    rocdraft/engine/overlap.py): the tokens of it that the previous step keeps for sure and
+    that have not landed (``kept``), that step's row holding its inputs, and how many more
+    it may keep (``more``: the drafts it verifies, their acceptance known on the device
+    only)."""
+
+    kept: int
+    row: int
+    more: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,7 +98,7 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
                      uploader: StepInputBuffers | None = None,
                      pad_to: int | None = None,
                      empty_shape: UniformShape | None = None,
-                     in_flight: list[tuple[int, int]] | None = None) -> StepBatch:
+                     in_flight: list[InFlight] | None = None) -> StepBatch:
     """Token ids, positions, block table, slot mapping and sampling indices of one step,
     on the device after one host-to-device copy (rocdraft/core/step_inputs.py).
 
@@ -108,11 +121,15 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     ``empty_shape`` (with no requests and ``pad_to``): a batch of padding rows only, of that
     shape (``padding_only_batch``).
 
-    ``in_flight`` (async decode, rocdraft/engine/overlap.py): per request (tokens of it that
-    a launched step computes and that have not landed yet, the row of that step whose
-    sampled token is its input). Every request then decodes one token at position
-    ``num_computed_tokens + tokens``, whose id is not on the host yet: ``input_ids`` holds
-    0 there, ``input_sources`` the row, and the request samples.
+    ``in_flight`` (async scheduling, rocdraft/engine/overlap.py): per request an
+    ``InFlight`` (a (kept, row[, more]) tuple). Every request then computes its one input token and its d drafts
+    (``num_draft_tokens``) from position ``num_computed_tokens + tokens``, none of whose
+    ids is on the host yet: ``input_ids`` and ``draft_token_ids`` hold 0 there,
+    ``input_sources`` the row, and the request samples. Where the launched step may keep
+    more (its accepted drafts, known on the device only), the positions, slots and
+    seq lens written here are those of keeping none, ``overlap.fill_inputs`` moves them on
+    the device, and the host's seq lens (``seq_lens_cpu``, ``max_seq_len``) are the bound
+    of keeping all.
     """
     if (empty_shape is not None) != (not scheduled and pad_to is not None):
         raise ValueError("empty_shape goes with an empty padded batch (no requests, pad_to), "
@@ -127,19 +144,23 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     is_tree = any(s.request.spec_parents for s in scheduled if s.num_draft_tokens) or \
         (empty_shape is not None and empty_shape.tree_mask)
     if in_flight is not None and (len(in_flight) != len(scheduled) or any(
-            s.num_new_tokens != 1 or s.num_draft_tokens for s in scheduled)):
-        raise ValueError(f"in_flight needs one (tokens, row) per request of a one-token decode, "
-                         f"got {len(in_flight)} for {len(scheduled)} requests")
+            s.num_new_tokens != 1 + s.num_draft_tokens for s in scheduled)):
+        raise ValueError(f"in_flight needs one (tokens, row[, more]) per request computing "
+                         f"one token and its drafts, got {len(in_flight)} for "
+                         f"{len(scheduled)} requests, query lengths "
+                         f"{[s.num_new_tokens for s in scheduled]}")
+    in_flight = None if in_flight is None else [InFlight(*entry) for entry in in_flight]
+    bound_extra = [] if in_flight is None else [entry.more for entry in in_flight]
     for i, item in enumerate(scheduled):
         req, n, d = item.request, item.num_new_tokens, item.num_draft_tokens
         start = req.num_computed_tokens
-        if in_flight is not None:  # one token past what is in flight, its id on the device
-            start += in_flight[i][0]
-            ids.append(0)
+        if in_flight is not None:  # past what is in flight: its ids on the device
+            start += in_flight[i].kept
+            ids += [0] * n
         else:
             ids += req.token_ids_slice(start, start + n - d)
+            ids += req.spec_token_ids[:d]
         image_rows.append((req, start, n - d, d))
-        ids += req.spec_token_ids[:d]
         if is_tree:
             # A chain beside trees (drafted in tree mode, rocdraft/spec_decode/draft_shape.py, by a step
             # that did not schedule the others): one child per level.
@@ -161,7 +182,8 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         table_rows.append(blocks + [-1] * (max_blocks_per_seq - len(blocks)))
         last = qsl[-1] - 1
         sample_rows.append([min(last - d + j, last) for j in range(max_drafts + 1)])
-        draft_rows.append(req.spec_token_ids[:d] + [0] * (max_drafts - d))
+        drafts = req.spec_token_ids[:d] if in_flight is None else [0] * d
+        draft_rows.append(drafts + [0] * (max_drafts - d))
         next_index = start + n
         backups.append(req.token_id_at(next_index) if next_index < req.num_tokens
                        and in_flight is None else 0)
@@ -176,6 +198,9 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     branching = is_tree and not all(p == list(range(-1, len(p) - 1)) for p in tree_parents) \
         if empty_shape is None else empty_shape.tree_mask
     real_seq_lens, real_qsl = list(seq_lens), list(qsl)
+    # the host's bound where a launched step may keep more (see the docstring)
+    host_seq_lens = [n + extra for n, extra in zip(real_seq_lens, bound_extra)] \
+        if in_flight is not None else real_seq_lens
     if pad_to is not None:
         q = _uniform_query_len(scheduled, pad_to) if empty_shape is None \
             else empty_shape.query_len
@@ -215,7 +240,7 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     if branching:
         host["spec_mask"] = verify_tree_mask(tree_parents, max_drafts + 1)
     if in_flight is not None:  # last: the sections before keep a graph key's addresses
-        host["input_sources"] = torch.tensor([row for _, row in in_flight]
+        host["input_sources"] = torch.tensor([entry.row for entry in in_flight]
                                              + [0] * (rows - num_reqs), dtype=torch.long)
     uploader = uploader or StepInputBuffers(device)
     dev = uploader.upload(host, persistent=pad_to is not None)
@@ -237,11 +262,12 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
             spec_mask=cut("spec_mask", num_rows) if branching else None,
             no_padding_slots=no_padding)
 
-    common = common_of(num_reqs, num_tokens, real_qsl, real_seq_lens, no_padding_slots)
+    common = common_of(num_reqs, num_tokens, real_qsl, host_seq_lens, no_padding_slots)
     padded = None
     if pad_to is not None:
         padded = PaddedInputs(dev["input_ids"], dev["positions"],
-                              common_of(rows, qsl[-1], qsl, seq_lens, False,
+                              common_of(rows, qsl[-1], qsl,
+                                        host_seq_lens + seq_lens[num_reqs:], False,
                                         cut=lambda name, _: dev[name]),
                               dev["sample_indices"])
     images = step_image_inputs(image_rows, positions[:num_tokens], real_qsl, device)

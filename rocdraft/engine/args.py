@@ -57,11 +57,13 @@ class EngineArgs:
     ``sync_timing``: synchronise a GPU at each phase boundary so the stats' time split is
     exact (benchmarks), at the cost of host syncs.
 
-    ``async_scheduling``: launch each target-only decode step before the previous one's
-    tokens reach the host (rocdraft/engine/overlap.py). None (default): on a GPU for a
-    target-only engine at tensor-parallel size 1, off on the CPU (where nothing overlaps);
-    True requires a target-only engine at tensor-parallel size 1 (speculative steps'
-    next inputs depend on their acceptance; the workers' inputs are sent from the host)."""
+    ``async_scheduling``: launch each step before the previous one's tokens reach the host
+    (rocdraft/engine/overlap.py): target-only decode steps, and the steps of a chain config
+    under ``draft_policy="fixed"``. None (default): on a GPU for those engines at
+    tensor-parallel size 1, off on the CPU (where nothing overlaps); True requires one of
+    them at tensor-parallel size 1 (the cost policy times each step's phases on the host, a
+    tree config's next tree follows the accepted path; the workers' inputs are sent from
+    the host)."""
 
     target: str
     draft: str | None = None
@@ -146,16 +148,31 @@ class EngineArgs:
         return compile_backend(self.compile)
 
 
+def async_speculation_error(speculative_config) -> str | None:
+    """Why steps of this speculative config cannot be launched ahead of the host, or None
+    (no speculation, or a chain under ``draft_policy="fixed"``)."""
+    if speculative_config is None:
+        return None
+    if speculative_config.draft_tree() is not None:
+        return ("a tree config's steps run synchronously (the next step's tree follows "
+                "the accepted path), so drop the tree or async_scheduling")
+    if speculative_config.draft_policy != "fixed":
+        return (f"draft_policy={speculative_config.draft_policy!r} times each step's "
+                f"phases on the host, which steps launched ahead cannot give it; use "
+                f"draft_policy='fixed' or drop async_scheduling")
+    return None
+
+
 def check_async_scheduling(value, speculative_config, tensor_parallel_size: int) -> None:
     """Refuse ``async_scheduling`` that is not None/True/False, or True where it cannot run:
-    with speculation or tensor parallelism (the error says why)."""
+    with a speculative config whose steps cannot run ahead, or tensor parallelism (the
+    error says why)."""
     if value is not None and not isinstance(value, bool):
         raise RocdraftError(f"async_scheduling must be None (auto), True or False, got "
                             f"{value!r}")
-    if value and speculative_config is not None:
-        raise RocdraftError("async_scheduling=True runs target-only decode steps ahead of "
-                            "the host; a speculative step's next inputs depend on how many "
-                            "drafts it accepts, so drop the draft or async_scheduling")
+    reason = async_speculation_error(speculative_config)
+    if value and reason is not None:
+        raise RocdraftError(f"async_scheduling=True: {reason}")
     if value and tensor_parallel_size != 1:
         raise RocdraftError(f"async_scheduling=True with tensor_parallel_size "
                             f"{tensor_parallel_size} is not supported (the workers' inputs "

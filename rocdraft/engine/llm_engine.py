@@ -24,12 +24,13 @@ from rocdraft.core.prompts import prompt_error, tokenize_prompt
 from rocdraft.core.request import Request
 from rocdraft.core.scheduler import Scheduler, ScheduledRequest
 from rocdraft.drafter.tree_spec import draft_lookahead
-from rocdraft.engine.args import EngineArgs
+from rocdraft.engine.args import EngineArgs, async_speculation_error
 from rocdraft.engine.loading import load_draft_runner
 from rocdraft.engine.model_runner import ModelRunner
-from rocdraft.engine.overlap import DecodeOverlap
+from rocdraft.engine.overlap import DecodeOverlap, Drafting
 from rocdraft.engine.target_graphs import startup_shapes
-from rocdraft.engine.request_updates import apply_step, batch_outlook, read_step, step_record
+from rocdraft.engine.request_updates import (HostStep, apply_step, batch_outlook,
+                                             has_prefill_tokens, read_step, step_record)
 from rocdraft.errors import RocdraftError
 from rocdraft.outputs import GenerationStats, RequestOutput
 from rocdraft.spec_decode.cost_model import batch_bucket
@@ -74,7 +75,8 @@ class LLMEngine:
                                                     self.model_runner.padding_batch)
         self.scheduler = Scheduler(self.model_runner.scheduler_config)
         # Async decode (rocdraft/engine/overlap.py): None where steps run synchronously.
-        self.overlap = DecodeOverlap(self.model_runner, self.max_model_len) \
+        self.overlap = DecodeOverlap(self.model_runner, self.max_model_len,
+                                     self._drafting(lookahead) if spec else None) \
             if _async_scheduling(args, self.model_runner) else None
         self.requests: dict = {}  # request id -> Request, in flight (added, not yet reported done)
         # Counters over every step this engine ran (generate() also keeps its own call's);
@@ -267,7 +269,7 @@ class LLMEngine:
         num_drafts = 0 if policy is None else policy.num_drafts(
             len(scheduled), batch_outlook(scheduled, scheduler, self.max_model_len)
             if policy.wants_outlook else None)
-        has_prefill = _has_prefill(scheduled)
+        has_prefill = has_prefill_tokens(scheduled)
         drafts, shape = None, None
         if num_drafts or (drafter is not None and has_prefill):
             drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts,
@@ -285,6 +287,26 @@ class LLMEngine:
         stats.add_step_times(bookkeeping=(t1 - t0) + (t5 - t4), target_verify=t2 - t1,
                              sampler=t3 - t2, draft=t4 - t3)
         return results.advanced
+
+    def _drafting(self, lookahead: int) -> Drafting:
+        """This engine's drafting for async speculative steps (rocdraft/engine/overlap.py):
+        a chain config's, under ``draft_policy="fixed"`` (args.py refuses the others)."""
+        runner, drafter, policy = self.model_runner, self.draft_runner, self.policy
+
+        def propose(batch, sampled, out, num_drafts: int, plan):
+            shared = plan if drafter.shares_plan_with(runner.backend) else None
+            return self._propose(batch, sampled, out, None, num_drafts, shared)[0].tokens
+
+        def observe(step, live, sampled, drafts, results, seconds: float) -> None:
+            scheduled = [step.scheduled[i] for i in live]
+            samples = [step.batch.samples[i] for i in live]
+            view = _LiveRows(samples, step.batch.draft_parents)
+            policy.observe(step_record(scheduled, view, HostStep(sampled, drafts, None, None),
+                                       results, has_prefill_tokens(scheduled), seconds,
+                                       step.num_drafts, step.seconds.get("draft", 0.0),
+                                       shape=None))
+
+        return Drafting(drafter.aux_layer_ids, lookahead, policy.num_drafts, propose, observe)
 
     def _propose(self, batch, sampled, out, verified_tree, num_drafts: int, target_plan):
         """The next step's drafts -> (ChainDrafts or TreeDrafts, the shape a tree config
@@ -342,13 +364,21 @@ class LLMEngine:
         return self.tree.depth if self.tree is not None else spec.num_speculative_tokens
 
 
+class _LiveRows:
+    """The parts of a StepBatch that ``step_record`` reads, for the rows still live."""
+
+    def __init__(self, samples: list[bool], draft_parents) -> None:
+        self.samples, self.draft_parents = samples, draft_parents
+
+
 def _async_scheduling(args: EngineArgs, runner: ModelRunner) -> bool:
-    """EngineArgs.async_scheduling resolved: its value, or by default on a GPU for a
-    target-only engine at tensor-parallel size 1 (args.py refused True elsewhere)."""
+    """EngineArgs.async_scheduling resolved: its value, or by default on a GPU at
+    tensor-parallel size 1 for a target-only engine or a chain config under
+    ``draft_policy="fixed"`` (args.py refused True elsewhere)."""
     if args.async_scheduling is not None:
         return args.async_scheduling
-    return runner.device != "cpu" and args.speculative_config is None \
-        and runner.executor is None
+    return runner.device != "cpu" and runner.executor is None \
+        and async_speculation_error(args.speculative_config) is None
 
 
 def _startup_shapes(spec, tree, chains_in_tree_mode: bool) -> tuple:
@@ -364,12 +394,6 @@ def _startup_shapes(spec, tree, chains_in_tree_mode: bool) -> tuple:
     branching = tree.num_nodes > tree.depth
     chains = min(k, tree.depth) if chains_in_tree_mode or not branching else 0
     return startup_shapes(chains, tree.num_nodes if branching else None)
-
-
-def _has_prefill(scheduled: list[ScheduledRequest]) -> bool:
-    """Some request computes prompt tokens this step: the head must see them too."""
-    return any(s.num_new_tokens - s.num_draft_tokens > 1 or not s.completes_prefill
-               or not s.request.output_token_ids for s in scheduled)
 
 
 def step_output(req: Request, new_tokens: list[int]) -> RequestOutput:

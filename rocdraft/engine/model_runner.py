@@ -204,11 +204,11 @@ class ModelRunner:
         return self.clock()
 
     def build_batch(self, scheduled: list[ScheduledRequest],
-                    in_flight: list[tuple[int, int]] | None = None) -> StepBatch:
+                    in_flight: list[InFlight] | None = None) -> StepBatch:
         """The step's inputs on the host and, in one copy, on the device
         (rocdraft/core/step_batch.py); padded to its bucket when the graph runner runs it.
-        ``in_flight``: a decode step launched before the previous one landed
-        (rocdraft/engine/overlap.py; ``build_step_batch``)."""
+        ``in_flight``: a step launched before the previous one landed, per request an
+        ``InFlight`` (rocdraft/engine/overlap.py; ``build_step_batch``)."""
         cfg = self.scheduler_config
         bucket = self.graphs.bucket_for(scheduled, in_flight) if self.graphs is not None \
             else None

@@ -1,45 +1,56 @@
-"""Async scheduling of target-only decode steps: step n+1 is built and launched before step
-n's results reach the host, so on a GPU the host's work of a step (reading the tokens,
-appending them, stop checks, building the next inputs) runs while the device computes.
+"""Async scheduling: step n+1 is built and launched before step n's results reach the
+host, so on a GPU the host's work of a step (reading the tokens, appending them, stop
+checks, building the next inputs) runs while the device computes. Target-only decode
+steps, and the speculative steps of a chain config under ``draft_policy="fixed"``.
 
     one engine step (``DecodeOverlap.step``), with step n launched by the previous one:
         continuation of n (host: which requests go on, their blocks)
-        -> launch n+1: its inputs in one upload, each input token gathered on the device
-           from n's sampled tokens (``fill_inputs``), forward, sampling, a non-blocking
-           copy of the sampled tokens to pinned host memory
+        -> launch n+1: its inputs in one upload, then on the device from n's results
+           (``fill_inputs``): each row's input token (the last token n kept) and the drafts
+           n made; after a step that verified drafts, positions and seq lens moved by the
+           drafts it accepted and the slots recomputed from the block table; forward,
+           verification, drafting, a non-blocking copy of the sampled tokens and the drafts
+           to pinned host memory
         -> land n: wait for n's copy (n+1 is queued behind it), append the tokens, decide
-           EOS / stop ids / max_tokens, free finished requests' blocks
+           EOS / stop ids / max_tokens, store the drafts, free finished requests' blocks,
+           the policy observes
         -> n's outputs; n+1 stays in flight
 
 What is known before n lands decides the continuation: the requests of n that sampled and
-still run, less those that n's token finishes by length (max_tokens, max_model_len); no
-request waiting that the scheduler could admit now (below ``max_num_seqs`` it is admitted
-after n lands; at ``max_num_seqs`` it waits for a request to finish either way, and joins
-one step later than in the synchronous engine); blocks for one more token each. Otherwise
-n lands first and the scheduler plans the next step as in the synchronous engine. A
-request that n finishes by EOS or a stop id (or that is aborted between steps) still
-computes one token in n+1: that row is dropped when n+1 lands, and its KV write lands in
-blocks freed after n, which any later step overwrites in stream order.
+still run, less those that n surely finishes by length (its one sure token reaches
+max_tokens or max_model_len); no request waiting that the scheduler could admit now (below
+``max_num_seqs`` it is admitted after n lands; at ``max_num_seqs`` it waits for a request to
+finish either way, and joins one step later than in the synchronous engine); blocks for the
+most n may keep (every draft it verifies) plus the next step's tokens. A speculative
+continuation also waits for n to land when a running request would be left out of it, a
+request is seeded (its noise follows its output length, known on the host only) or has
+images (M-RoPE positions), or keeping every draft and drafting again could pass
+max_model_len. Otherwise n lands first and the scheduler plans the next step as in the
+synchronous engine. A request that n finishes unforeseen (EOS, a stop id, max_tokens
+reached by accepted drafts, an abort between steps) still computes its row in n+1: that row
+is dropped when n+1 lands, and its KV writes land in blocks freed after n, which any later
+step overwrites in stream order.
 
-Speculative steps stay synchronous: their next inputs (positions, slots, the drafts'
-count) depend on how many drafts the step accepts. Launching them ahead would need the
-next step's positions (``num_computed + 1 + accepted + arange(d + 1)``), slots (through the
-block table) and seq lens computed on the device from the accepted counts, blocks reserved
-for the most the step can accept, and every backend's host metadata (``seq_lens_cpu``,
-``max_seq_len``) used only as a bound; not built. On the CPU nothing overlaps (torch runs
-each op to its end), so the engine schedules synchronously there unless asked; the tests run
-this path on the CPU for equality with the synchronous engine.
+n+1's host metadata holds bounds where n's acceptance is unknown: ``seq_lens_cpu`` and
+``max_seq_len`` as if n kept every draft (each backend uses them only to size work and
+pick kernels; the device seq lens are exact). The cost policy (``draft_policy="cost"``)
+times each step's phases on the host and a tree config's next tree follows the accepted
+path on the host, so their steps stay synchronous (EngineArgs refuses async_scheduling=True
+there). On the CPU nothing overlaps (torch runs each op to its end), so the engine
+schedules synchronously there unless asked; the tests run this path on the CPU for
+equality with the synchronous engine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from rocdraft.core.request import Status
 from rocdraft.core.scheduler import Scheduler, ScheduledRequest
-from rocdraft.core.step_batch import StepBatch
-from rocdraft.engine.request_updates import apply_step
+from rocdraft.core.step_batch import InFlight, StepBatch
+from rocdraft.engine.request_updates import apply_step, has_prefill_tokens
 from rocdraft.outputs import GenerationStats
 
 
@@ -49,54 +60,120 @@ class LaunchedStep:
 
     scheduled: list[ScheduledRequest]
     batch: StepBatch
-    sampled: torch.Tensor  # [B, 1] int64 on the device
-    host: torch.Tensor  # [B, 1] its copy on the host (pinned on a GPU, filled in order)
+    sampled: torch.Tensor  # [B, max_drafts + 1] int64 on the device, -1 = rejected
+    host: torch.Tensor  # [B, w] sampled (and drafts) on the host (pinned on a GPU)
     copied: object  # a torch.cuda.Event recorded after the copy; None on the CPU
-    seconds: dict  # the phases' host seconds: bookkeeping, target_verify, sampler
+    seconds: dict  # the phases' host seconds: bookkeeping, target_verify, sampler, draft
+    drafts: torch.Tensor | None = None  # [B, num_drafts] int64: the next step's drafts
+    num_drafts: int = 0  # drafts per request the step made (0: none)
 
 
-def fill_inputs(batch: StepBatch, previous_sampled: torch.Tensor) -> None:
-    """Write each row's input token, the token the previous step sampled in row
-    ``batch.input_sources[i]``, into ``batch.input_ids`` (a view of the static inputs when
-    padded): two device ops, no host read."""
-    batch.input_ids.copy_(previous_sampled[:, 0].index_select(0, batch.input_sources))
+@dataclass(frozen=True)
+class Drafting:
+    """What async steps of a speculative engine call: the engine's own drafting
+    (rocdraft/engine/llm_engine.py) behind four callables."""
+
+    aux_layer_ids: tuple[int, ...]  # the target layers whose hidden states the head reads
+    lookahead: int  # slots a request needs past its tokens for one step's drafts
+    num_drafts: Callable[[int], int]  # batch size -> drafts per request to make
+    # (batch, sampled, target output, num_drafts, target plan) -> [B, num_drafts] int64
+    propose: Callable
+    # (landed step, its live rows, sampled rows, draft rows, StepResults, seconds) -> None
+    observe: Callable
 
 
-def continuation(scheduler: Scheduler, previous: LaunchedStep, max_model_len: int
-                 ) -> tuple[list[ScheduledRequest], list[tuple[int, int]]] | None:
-    """The decode step that follows ``previous`` before it lands -> (its requests, per
-    request (tokens of it ``previous`` computes, its row there)), with the blocks for one
-    more token each reserved; None when the next step must wait for ``previous`` to land
-    (the module docstring).
+def fill_inputs(batch: StepBatch, previous_sampled: torch.Tensor,
+                previous_drafts: torch.Tensor | None = None, block_size: int = 0) -> None:
+    """Write each row's inputs from the previous step's results in row
+    ``batch.input_sources[i]`` (views of the static inputs when padded), no host read: its
+    input token (the last token it kept) and drafts into ``batch.input_ids`` and
+    ``batch.draft_token_ids``, and where the previous step verified drafts (it may have kept
+    ``accepted`` more tokens than ``build_step_batch`` assumed) the positions and seq lens
+    moved by ``accepted`` and the slots recomputed from the block table. A decode after a
+    decode: two device ops.
+
+    Example: previous rows sampled [[5, 6, -1], [7, -1, -1]] (accepted 1 and 0) and drafted
+    [[8, 9], [3, 4]]; a batch of both rows gets ids [6, 8, 9, 7, 3, 4], row 0's positions
+    one further than built, row 1's as built.
+    """
+    sources = batch.input_sources
+    if previous_drafts is None and previous_sampled.shape[1] == 1:  # no drafts either side
+        batch.input_ids.copy_(previous_sampled[:, 0].index_select(0, sources))
+        return
+    rows = sources.shape[0]
+    kept = (previous_sampled >= 0).sum(dim=1) - 1  # [B_prev] drafts accepted
+    accepted = kept.index_select(0, sources)  # [B]
+    last = previous_sampled.gather(1, kept.unsqueeze(1)).squeeze(1).index_select(0, sources)
+    query = batch.input_ids.shape[0] // rows
+    ids = batch.input_ids.view(rows, query)
+    ids[:, 0].copy_(last)
+    if query > 1:
+        drafts = previous_drafts.index_select(0, sources)[:, :query - 1]
+        ids[:, 1:].copy_(drafts)
+        batch.draft_token_ids[:, :query - 1].copy_(drafts)
+    if previous_sampled.shape[1] > 1:  # the previous step verified drafts
+        positions = batch.positions.view(rows, query)
+        positions.add_(accepted.unsqueeze(1))
+        seq_lens = batch.common.seq_lens
+        seq_lens.add_(accepted.to(seq_lens.dtype))
+        blocks = batch.common.block_table.long().gather(1, positions // block_size)
+        batch.common.slot_mapping.view(rows, query).copy_(
+            blocks * block_size + positions % block_size)
+
+
+def continuation(scheduler: Scheduler, previous: LaunchedStep, max_model_len: int,
+                 lookahead: int = 0
+                 ) -> tuple[list[ScheduledRequest], list[InFlight]] | None:
+    """The step that follows ``previous`` before it lands -> (its requests, per request
+    (tokens of it ``previous`` keeps for sure, its row there, how many more it may keep)),
+    with the blocks for the most it may need reserved; None when the next step must wait
+    for ``previous`` to land (the module docstring). Each request computes one token, and
+    verifies the ``previous.num_drafts`` drafts ``previous`` made.
 
     Example: previous decoded requests a (4 of max_tokens 16 generated) and b (15 of 16):
-    b finishes with this token, so the continuation is [a], with in-flight [(1, 0)].
+    b finishes with this token, so the continuation is [a], with in-flight [(1, 0, 0)].
     """
     admits = scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs
-    if admits or previous.batch.max_drafts or not all(previous.batch.samples):
+    if admits or not all(previous.batch.samples):
         return None
-    rows, in_flight, needs = [], [], []
+    drafts = previous.num_drafts
+    rows, in_flight, needs, finishing = [], [], [], set()
     for row, item in enumerate(previous.scheduled):
         req = item.request
         if req.status is not Status.RUNNING:  # aborted since
             continue
-        # After ``previous`` lands: one more output token, item.num_new_tokens more computed.
-        if len(req.output_token_ids) + 1 >= req.params.max_tokens \
-                or req.num_tokens + 1 >= max_model_len:
+        verified = item.num_draft_tokens
+        kept = item.num_new_tokens - verified  # tokens ``previous`` computes and keeps
+        outputs = len(req.output_token_ids)
+        # After ``previous`` lands: 1 .. 1 + verified more tokens (outputs).
+        if outputs + 1 >= req.params.max_tokens or req.num_tokens + 1 >= max_model_len:
+            finishing.add(id(req))  # done by length for sure
             continue
-        computed = req.num_computed_tokens + item.num_new_tokens
-        rows.append(ScheduledRequest(req, 1, 0))
-        in_flight.append((item.num_new_tokens, row))
-        needs.append((req, computed + 1))
+        if (verified or drafts) and (
+                req.num_tokens + 1 + verified + 1 + drafts + lookahead > max_model_len
+                or req.params.seed is not None or getattr(req, "images", None) is not None):
+            # speculative: the positions of keeping every draft and the next drafts must
+            # fit the model; a seeded row's noise follows its output length and M-RoPE
+            # positions its image, both known on the host only
+            return None
+        computed = req.num_computed_tokens + item.num_new_tokens  # the most kept
+        rows.append(ScheduledRequest(req, 1 + drafts, drafts))
+        in_flight.append(InFlight(kept, row, verified))
+        needs.append((req, computed + 1 + drafts))
+    if (drafts or previous.batch.max_drafts) and any(
+            id(req) not in finishing and req not in [s.request for s in rows]
+            for req in scheduler.running):
+        return None  # a request would be left out of the speculative batch
     if not rows or not scheduler.reserve(needs):
         return None
     return rows, in_flight
 
 
 class DecodeOverlap:
-    def __init__(self, runner, max_model_len: int) -> None:
-        """``runner``: the engine's ModelRunner (builds, runs and samples the steps)."""
-        self.runner, self.max_model_len = runner, max_model_len
+    def __init__(self, runner, max_model_len: int, drafting: Drafting | None = None) -> None:
+        """``runner``: the engine's ModelRunner (builds, runs and samples the steps);
+        ``drafting``: a speculative engine's drafting (None: target-only)."""
+        self.runner, self.max_model_len, self.drafting = runner, max_model_len, drafting
         self.pending: LaunchedStep | None = None  # launched, not landed
         self.num_overlapped = 0  # steps launched before their previous step landed
 
@@ -112,7 +189,8 @@ class DecodeOverlap:
                 return []
             self.pending = self._launch(scheduled, None, None)
         landing = self.pending
-        follow = continuation(scheduler, landing, self.max_model_len)
+        lookahead = 0 if self.drafting is None else self.drafting.lookahead
+        follow = continuation(scheduler, landing, self.max_model_len, lookahead)
         self.pending = None
         if follow is not None:
             self.pending = self._launch(*follow, landing)
@@ -121,35 +199,51 @@ class DecodeOverlap:
 
     def _launch(self, scheduled: list[ScheduledRequest], in_flight, previous
                 ) -> LaunchedStep:
-        runner = self.runner
+        runner, drafting = self.runner, self.drafting
         t0 = runner.clock()
         batch = runner.build_batch(scheduled, in_flight)
         if previous is not None:
-            fill_inputs(batch, previous.sampled)
+            fill_inputs(batch, previous.sampled, previous.drafts,
+                        runner.scheduler_config.block_size)
         t1 = runner.clock()
-        _, logits = runner.forward(batch)
+        plan = None if drafting is None else runner.plan(batch)
+        out, logits = runner.forward(batch, () if drafting is None else drafting.aux_layer_ids,
+                                     plan)
         t2 = runner.clock()
         ahead = None if in_flight is None else [1] * len(scheduled)
         sampled, _ = runner.verify(logits, batch, scheduled, ahead)
-        host, copied = _start_copy(sampled)
         t3 = runner.clock()
+        drafts, num_drafts = None, 0
+        if drafting is not None:
+            num_drafts = drafting.num_drafts(len(scheduled))
+            if num_drafts or has_prefill_tokens(scheduled):  # (a prompt's step keeps the head's cache in step)
+                drafts = drafting.propose(batch, sampled, out, num_drafts, plan)
+                drafts = drafts[:, :num_drafts] if num_drafts else None
+        t4 = runner.clock()
+        host, copied = _start_copy(sampled if drafts is None
+                                   else torch.cat([sampled, drafts], dim=1))
         return LaunchedStep(scheduled, batch, sampled, host, copied,
                             {"bookkeeping": t1 - t0, "target_verify": t2 - t1,
-                             "sampler": t3 - t2})
+                             "sampler": t3 - t2, "draft": t4 - t3}, drafts, num_drafts)
 
     def _land(self, step: LaunchedStep, scheduler: Scheduler, stats: GenerationStats):
         runner = self.runner
         t0 = runner.clock()
         if step.copied is not None:
             step.copied.synchronize()
-        sampled = step.host.tolist()
+        rows = step.host.tolist()
+        width = step.sampled.shape[1]
         live = [i for i, item in enumerate(step.scheduled) if not item.request.is_finished]
         scheduled = [step.scheduled[i] for i in live]
+        sampled = [rows[i][:width] for i in live]
+        drafts = None if step.drafts is None else [rows[i][width:] for i in live]
         results = apply_step(scheduler, scheduled, [step.batch.samples[i] for i in live],
-                             [sampled[i] for i in live], None, stats, self.max_model_len)
+                             sampled, drafts, stats, self.max_model_len, step.num_drafts)
         seconds = dict(step.seconds)
         seconds["bookkeeping"] += runner.clock() - t0
-        stats.add_step_times(draft=0.0, **seconds)
+        stats.add_step_times(**seconds)
+        if self.drafting is not None:
+            self.drafting.observe(step, live, sampled, drafts, results, sum(seconds.values()))
         return results.advanced
 
 

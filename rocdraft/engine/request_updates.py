@@ -154,6 +154,12 @@ def step_record(scheduled: list[ScheduledRequest], batch: StepBatch, host: HostS
         finished_keys=[req.request_id for req, _ in results.advanced if req.is_finished])
 
 
+def has_prefill_tokens(scheduled: list[ScheduledRequest]) -> bool:
+    """Some request computes prompt tokens this step: the head must see them too."""
+    return any(s.num_new_tokens - s.num_draft_tokens > 1 or not s.completes_prefill
+               or not s.request.output_token_ids for s in scheduled)
+
+
 def batch_outlook(scheduled: list[ScheduledRequest], scheduler: Scheduler,
                   max_model_len: int) -> BatchOutlook | None:
     """The batch's keys and tokens left per request when the batch is all the work left

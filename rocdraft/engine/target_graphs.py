@@ -46,7 +46,7 @@ import torch
 
 from rocdraft.drafter.graphs import capture_one, graph_capture_refusal
 from rocdraft.core.scheduler import ScheduledRequest
-from rocdraft.core.step_batch import StepBatch, UniformShape, graph_key
+from rocdraft.core.step_batch import InFlight, StepBatch, UniformShape, graph_key
 
 log = logging.getLogger(__name__)
 
@@ -140,16 +140,18 @@ class TargetGraphRunner:
         self.late_keys: set[tuple] = set()
 
     def bucket_for(self, scheduled: list[ScheduledRequest],
-                   in_flight: list[tuple[int, int]] | None = None) -> int | None:
+                   in_flight: list[InFlight] | None = None) -> int | None:
         """The bucket this runner runs the batch in, or None when it runs eagerly
         (not uniform, images, too many rows, too long a query or sequence); ``in_flight``:
-        per request the tokens computed ahead of ``num_computed_tokens`` (async decode)."""
+        per request an ``InFlight`` (rocdraft/core/step_batch.py), whose tokens computed
+        ahead of ``num_computed_tokens`` count at their most (async scheduling)."""
         if not scheduled or len(scheduled) > self.buckets[-1]:
             return None
         q = scheduled[0].num_new_tokens
         if q > self.max_query_len or any(s.num_new_tokens != q for s in scheduled):
             return None
-        ahead = [0] * len(scheduled) if in_flight is None else [t for t, _ in in_flight]
+        ahead = [0] * len(scheduled) if in_flight is None \
+            else [entry.kept + entry.more for entry in (InFlight(*e) for e in in_flight)]
         if any(s.request.num_computed_tokens + extra + q > self.max_seq_len
                for s, extra in zip(scheduled, ahead)):
             return None
