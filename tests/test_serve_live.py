@@ -346,12 +346,17 @@ def test_openai_stream_closed_mid_way_aborts(server, client):
     assert llm.stats.generated_tokens - generated < 200  # aborted, not run to the end
 
 
-def test_async_decode_server_streams_the_tokens_of_generate(target_with_template):
-    """A target-only engine with async decode (rocdraft/engine/overlap.py: each decode step
-    launched before the previous one lands) serves 8 concurrent clients, streaming and
-    not, the synchronous engine's tokens; a stream closed mid-way aborts its request while
-    its next step is in flight, and every block comes back."""
+@pytest.mark.parametrize("speculative", [False, True], ids=["target-only", "fixed-chain"])
+def test_async_server_streams_the_tokens_of_generate(target_with_template, speculative):
+    """An engine with async scheduling (rocdraft/engine/overlap.py: each step launched
+    before the previous one lands; target-only decode, or a fixed-policy chain of 3 drafts)
+    serves 8 concurrent clients, streaming and not, the synchronous engine's tokens; a
+    stream closed mid-way aborts its request while its next step is in flight, and every
+    block comes back."""
     kwargs = dict(max_model_len=256, max_num_seqs=8, graph_mode="replay-eagerly")
+    if speculative:
+        kwargs.update(draft=builtin_paths().eagle3, speculative_config=SpeculativeConfig(
+            method="eagle3", num_speculative_tokens=3, draft_policy="fixed"))
     llm = LLM(target_with_template, async_scheduling=True, **kwargs)
     prompts = [f"y{i} = {i} +" for i in range(8)]
     expected = LLM(target_with_template, **kwargs).generate(prompts, GREEDY)
@@ -378,6 +383,9 @@ def test_async_decode_server_streams_the_tokens_of_generate(target_with_template
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(one, range(8))) == [e.token_ids for e in expected]
         assert llm.overlap.num_overlapped > 0
+        if speculative:
+            # acceptance length above 1.5: drafts accepted
+            assert llm.stats.num_accepted_drafts > 0.5 * llm.stats.num_verify_steps
         stream = client.completions.create(model=MODEL, prompt="while True:", max_tokens=200,
                                            temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
