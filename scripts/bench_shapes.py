@@ -19,8 +19,9 @@ the GPU at once). Also:
 
 - ``--compare-eager``: target-only again with ``enforce_eager`` (the target forward not
   captured: the A/B of rocdraft/engine/target_graphs.py; identical on the CPU).
-- ``--compare-sync``: target-only again with ``async_scheduling=False`` (the A/B of async
-  decode, rocdraft/engine/overlap.py, on by default on a GPU; the same on the CPU).
+- ``--compare-sync``: target-only and the chain again with ``async_scheduling=False`` (the
+  A/B of async scheduling, rocdraft/engine/overlap.py, on by default on a GPU for both; the
+  same on the CPU).
 - ``--compare-unfused``: target-only again with the fused Triton kernels off (an A/B of
   models/fused_layers.py, interleaved with the others; on the CPU both rows run the same code);
 - the spec-step / decode-step time ratio: wall time per engine step (prefill included) of the
@@ -78,8 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-eager", action="store_true",
                    help="also target-only with enforce_eager (no captured target forward)")
     p.add_argument("--compare-sync", action="store_true",
-                   help="also target-only with async_scheduling off (A/B of async decode, "
-                        "rocdraft/engine/overlap.py; on by default on a GPU, off on the CPU)")
+                   help="also target-only and the chain with async_scheduling off (A/B of "
+                        "async scheduling, rocdraft/engine/overlap.py; on by default on a "
+                        "GPU, off on the CPU)")
     p.add_argument("--compare-unfused", action="store_true",
                    help="also time target-only with ROCDRAFT_FUSED_KERNELS=0 (A/B of the fused "
                         "kernels; a third copy of the weights in memory)")
@@ -146,9 +148,12 @@ def rocdraft_systems(args, target: Path, head: Path) -> dict[str, object]:
     if args.compare_eager:  # the captured target forward's A/B (the same on the CPU)
         systems["rocdraft_eager"] = _timed_start(
             lambda: LLM(str(target), enforce_eager=True, **common))
-    if args.compare_sync:  # async decode's A/B (the CPU runs both synchronously by default)
+    if args.compare_sync:  # async scheduling's A/B (the CPU runs all synchronously by default)
         systems["rocdraft_sync"] = _timed_start(
             lambda: LLM(str(target), async_scheduling=False, **common))
+        systems["rocdraft_chain_sync"] = _timed_start(
+            lambda: LLM(str(target), draft=str(head), speculative_config=spec,
+                        async_scheduling=False, **common))
     if args.compare_unfused:  # the target reads ROCDRAFT_FUSED_KERNELS when it is built
         previous = os.environ.get("ROCDRAFT_FUSED_KERNELS")
         os.environ["ROCDRAFT_FUSED_KERNELS"] = "0"
@@ -303,7 +308,7 @@ def summarize(args, measured: dict, bandwidth: float, weight_bytes: int) -> dict
             if "steps" in runs[0]:
                 row["step_ms"] = _stats([r["wall_s"] / max(r["steps"], 1) * 1e3 for r in runs])
                 row["steps"] = runs[0]["steps"]
-            if name == "rocdraft_chain":
+            if name.startswith("rocdraft_chain"):
                 row["acceptance_length"] = runs[-1]["acceptance_length"]
             systems[name][str(bs)] = row
     ratio = {}

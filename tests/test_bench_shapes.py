@@ -32,7 +32,8 @@ def test_tiny_shape_on_cpu_reports_every_field(bench, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["shape"] == "tiny" and out["device"] == "cpu" and out["threads"] == 1
     assert set(out["systems"]) == {"rocdraft", "rocdraft_chain", "rocdraft_unfused",
-                                   "rocdraft_eager", "rocdraft_sync", "hf_eager"}
+                                   "rocdraft_eager", "rocdraft_sync", "rocdraft_chain_sync",
+                                   "hf_eager"}
     assert "ROCDRAFT_FUSED_KERNELS" not in os.environ  # restored after the A/B system
     for name, by_bs in out["systems"].items():
         assert set(by_bs) == {"1", "2"}, name
@@ -52,7 +53,7 @@ def test_tiny_shape_on_cpu_reports_every_field(bench, tmp_path, capsys):
         assert profile["steps"] > 0 and profile["host_syncs_per_step"] >= 0
         assert "gpu_busy_share" not in profile  # CUDA events only
     assert set(out["startup"]) == {"rocdraft", "rocdraft_chain", "rocdraft_unfused",
-                                   "rocdraft_eager", "rocdraft_sync"}
+                                   "rocdraft_eager", "rocdraft_sync", "rocdraft_chain_sync"}
     for started in out["startup"].values():  # nothing is captured on the CPU
         assert started["startup_s"] >= 0 and started["graph_mib"] == {"target": 0, "draft": 0}
     index = json.loads((Path(out["checkpoint"]) / "model.safetensors.index.json").read_text())
