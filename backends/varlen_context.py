@@ -40,7 +40,9 @@ class VarlenContext:
 
 
 def exact_kv_rows(common: CommonAttentionMetadata) -> int:
-    """Gather size for one step: the sum of the host copy of seq_lens (a CPU tensor, no sync)."""
+    """Gather size for one step: the sum of the host copy of seq_lens (a CPU tensor, no sync;
+    exact, or a bound where a step launched ahead does not know the previous step's
+    acceptance: rocdraft/engine/overlap.py)."""
     return int(common.seq_lens_cpu[:common.num_reqs].sum()) if common.num_reqs else 0
 
 

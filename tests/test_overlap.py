@@ -227,6 +227,9 @@ def test_async_scheduling_refusals(target, tmp_path):
     with pytest.raises(RocdraftError, match="draft_policy='cost' times each step"):
         LLM(target, draft=target, speculative_config=SpeculativeConfig("eagle", 2),
             async_scheduling=True)
+    with pytest.raises(RocdraftError, match="padded_drafting=False drops rejected tokens"):
+        LLM(target, draft=target, speculative_config=SpeculativeConfig(
+            "eagle", 2, draft_policy="fixed", padded_drafting=False), async_scheduling=True)
     with pytest.raises(RocdraftError, match="a tree config's steps run synchronously"):
         LLM(target, draft=target, speculative_config=SpeculativeConfig(
             "eagle", 2, draft_policy="fixed", speculative_token_tree="[(0,), (1,), (0, 0)]"),
@@ -376,7 +379,8 @@ def test_continuation_of_a_speculative_step():
     """Each request goes on verifying the drafts the landing step made, with blocks for
     keeping every draft in flight; one that the landing step finishes by length for sure
     does not; it waits for the landing where a request is seeded, its next drafts would
-    pass max_model_len, or a running request would be left out."""
+    pass max_model_len, a running request would be left out, or the step would pass the
+    token budget."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                              block_size=4, num_blocks=16)
     scheduler = Scheduler(config)
@@ -407,3 +411,8 @@ def test_continuation_of_a_speculative_step():
     # 7 tokens, 2 drafts kept, 1 token and 2 next drafts, 2 lookahead: 15 positions
     assert continuation(scheduler, _launched(items, drafts=2), 60, 2) is not None
     assert continuation(scheduler, _launched(items, drafts=2), 12, 2) is None
+    # 2 x (1 + 2) tokens past a budget of 5: the scheduler would cut the drafts
+    small = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=5,
+                                      max_model_len=64, block_size=4, num_blocks=16))
+    small.running += [a, b]
+    assert continuation(small, _launched(items, drafts=2), 64, 2) is None

@@ -82,10 +82,10 @@ class StepBatch:
     # A batch padded to a graph bucket (``build_step_batch(pad_to=...)``): the full padded
     # inputs in the graph runner's persistent buffer; None otherwise.
     padded: "PaddedInputs | None" = None
-    # A decode step launched before the previous step landed (rocdraft/engine/overlap.py):
-    # per request the row of the previous step whose sampled token is its one input token
-    # [batch_size] int64 (``input_ids`` holds 0 there until ``overlap.fill_inputs``); None
-    # otherwise.
+    # A step launched before the previous step landed (rocdraft/engine/overlap.py): per
+    # request the row of the previous step whose results are its inputs [batch_size] int64
+    # (its input token and drafts, and the drafts that step accepted, which move its
+    # positions, seq lens and slots: ``overlap.fill_inputs``); None otherwise.
     input_sources: torch.Tensor | None = None
 
     @property

@@ -150,12 +150,16 @@ class EngineArgs:
 
 def async_speculation_error(speculative_config) -> str | None:
     """Why steps of this speculative config cannot be launched ahead of the host, or None
-    (no speculation, or a chain under ``draft_policy="fixed"``)."""
+    (no speculation, or a chain under ``draft_policy="fixed"`` with padded drafting)."""
     if speculative_config is None:
         return None
     if speculative_config.draft_tree() is not None:
         return ("a tree config's steps run synchronously (the next step's tree follows "
                 "the accepted path), so drop the tree or async_scheduling")
+    if not speculative_config.padded_drafting:
+        return ("padded_drafting=False drops rejected tokens on the host (a read of the step "
+                "just launched) and sizes the head's step from host seq lens, which a step "
+                "launched ahead only bounds; keep padded_drafting or drop async_scheduling")
     if speculative_config.draft_policy != "fixed":
         return (f"draft_policy={speculative_config.draft_policy!r} times each step's "
                 f"phases on the host, which steps launched ahead cannot give it; use "

@@ -297,12 +297,13 @@ class LLMEngine:
             shared = plan if drafter.shares_plan_with(runner.backend) else None
             return self._propose(batch, sampled, out, None, num_drafts, shared)[0].tokens
 
-        def observe(step, live, sampled, drafts, results, seconds: float) -> None:
+        def observe(step, live, sampled, drafts, results, prefill: bool,
+                    seconds: float) -> None:
             scheduled = [step.scheduled[i] for i in live]
             samples = [step.batch.samples[i] for i in live]
             view = _LiveRows(samples, step.batch.draft_parents)
             policy.observe(step_record(scheduled, view, HostStep(sampled, drafts, None, None),
-                                       results, has_prefill_tokens(scheduled), seconds,
+                                       results, prefill, seconds,
                                        step.num_drafts, step.seconds.get("draft", 0.0),
                                        shape=None))
 

@@ -32,8 +32,11 @@ is dropped when n+1 lands, and its KV writes land in blocks freed after n, which
 step overwrites in stream order.
 
 n+1's host metadata holds bounds where n's acceptance is unknown: ``seq_lens_cpu`` and
-``max_seq_len`` as if n kept every draft (each backend uses them only to size work and
-pick kernels; the device seq lens are exact). The cost policy (``draft_policy="cost"``)
+``max_seq_len`` as if n kept every draft (the backends and the head's padded drafting use
+them only to size work and pick kernels, and mask by the device seq lens, which are exact;
+unpadded drafting, which reads the host's, is refused with async scheduling). A
+continuation over the token budget (``max_num_batched_tokens``, where the scheduler would
+cut the drafts) waits for n to land too. The cost policy (``draft_policy="cost"``)
 times each step's phases on the host and a tree config's next tree follows the accepted
 path on the host, so their steps stay synchronous (EngineArgs refuses async_scheduling=True
 there). On the CPU nothing overlaps (torch runs each op to its end), so the engine
@@ -71,14 +74,15 @@ class LaunchedStep:
 @dataclass(frozen=True)
 class Drafting:
     """What async steps of a speculative engine call: the engine's own drafting
-    (rocdraft/engine/llm_engine.py) behind four callables."""
+    (rocdraft/engine/llm_engine.py) behind three callables."""
 
     aux_layer_ids: tuple[int, ...]  # the target layers whose hidden states the head reads
     lookahead: int  # slots a request needs past its tokens for one step's drafts
     num_drafts: Callable[[int], int]  # batch size -> drafts per request to make
     # (batch, sampled, target output, num_drafts, target plan) -> [B, num_drafts] int64
     propose: Callable
-    # (landed step, its live rows, sampled rows, draft rows, StepResults, seconds) -> None
+    # (landed step, its live rows, sampled rows, draft rows, StepResults, whether it
+    # computed prompt tokens, seconds) -> None
     observe: Callable
 
 
@@ -164,6 +168,8 @@ def continuation(scheduler: Scheduler, previous: LaunchedStep, max_model_len: in
             id(req) not in finishing and req not in [s.request for s in rows]
             for req in scheduler.running):
         return None  # a request would be left out of the speculative batch
+    if len(rows) * (1 + drafts) > scheduler.config.max_num_batched_tokens:
+        return None  # past the token budget: the scheduler cuts the drafts
     if not rows or not scheduler.reserve(needs):
         return None
     return rows, in_flight
@@ -216,7 +222,8 @@ class DecodeOverlap:
         drafts, num_drafts = None, 0
         if drafting is not None:
             num_drafts = drafting.num_drafts(len(scheduled))
-            if num_drafts or has_prefill_tokens(scheduled):  # (a prompt's step keeps the head's cache in step)
+            # (a prompt's step keeps the head's cache in step; a continuation has none)
+            if num_drafts or (in_flight is None and has_prefill_tokens(scheduled)):
                 drafts = drafting.propose(batch, sampled, out, num_drafts, plan)
                 drafts = drafts[:, :num_drafts] if num_drafts else None
         t4 = runner.clock()
@@ -237,13 +244,15 @@ class DecodeOverlap:
         scheduled = [step.scheduled[i] for i in live]
         sampled = [rows[i][:width] for i in live]
         drafts = None if step.drafts is None else [rows[i][width:] for i in live]
+        prefill = has_prefill_tokens(scheduled)  # as the step was built (before the updates)
         results = apply_step(scheduler, scheduled, [step.batch.samples[i] for i in live],
                              sampled, drafts, stats, self.max_model_len, step.num_drafts)
         seconds = dict(step.seconds)
         seconds["bookkeeping"] += runner.clock() - t0
         stats.add_step_times(**seconds)
         if self.drafting is not None:
-            self.drafting.observe(step, live, sampled, drafts, results, sum(seconds.values()))
+            self.drafting.observe(step, live, sampled, drafts, results, prefill,
+                                  sum(seconds.values()))
         return results.advanced
 
 
