@@ -269,7 +269,7 @@ def test_async_speculative_steps_on_device_equal_synchronous(pair, backend):
                   max_model_len=256, draft=pair["eagle3"],
                   speculative_config=SpeculativeConfig("eagle3", 3, draft_policy="fixed"))
     sync = LLM(pair["target"], async_scheduling=False, **kwargs)
-    overlapped = LLM(pair["target"], **kwargs)  # auto: on for a fixed chain on a GPU
+    overlapped = LLM(pair["target"], **kwargs)  # auto: on for a chain config on a GPU
     assert sync.overlap is None and overlapped.overlap is not None
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for size in (1, 3, 5):

@@ -1,6 +1,6 @@
 """Async scheduling (rocdraft/engine/overlap.py) on the CPU: the engine launches each
-target-only decode step, and each speculative step of a chain under the fixed policy,
-before the previous one lands, and its outputs (greedy and seeded, with requests stopping
+target-only decode step, and each speculative step of a chain config (the fixed and the
+cost policy), before the previous one lands, and its outputs (greedy and seeded, with requests stopping
 at stop ids and max_tokens, joining, being aborted and preempted between steps, through the
 padded graph runner and eagerly) equal the synchronous engine's. On the CPU the launched step runs to its end before the previous one is read, so
 these tests prove the bookkeeping (which requests continue, their positions, slots and
@@ -224,9 +224,6 @@ def test_fill_inputs_gathers_each_rows_token_from_the_previous_step():
 def test_async_scheduling_refusals(target, tmp_path):
     with pytest.raises(RocdraftError, match="async_scheduling must be None"):
         LLM(target, async_scheduling="yes")
-    with pytest.raises(RocdraftError, match="draft_policy='cost' times each step"):
-        LLM(target, draft=target, speculative_config=SpeculativeConfig("eagle", 2),
-            async_scheduling=True)
     with pytest.raises(RocdraftError, match="padded_drafting=False drops rejected tokens"):
         LLM(target, draft=target, speculative_config=SpeculativeConfig(
             "eagle", 2, draft_policy="fixed", padded_drafting=False), async_scheduling=True)
@@ -254,10 +251,10 @@ def pair(tmp_path_factory):
 SPEC_PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11, [3, 3, 3]]
 
 
-def _spec(pair, overlap: bool, k: int = 3, **kwargs) -> LLM:
+def _spec(pair, overlap: bool, k: int = 3, policy: str = "fixed", **kwargs) -> LLM:
     target, head = pair
     return LLM(target, draft=head, speculative_config=SpeculativeConfig(
-        "eagle3", k, draft_policy="fixed"), max_num_seqs=8, block_size=4, max_model_len=96,
+        "eagle3", k, draft_policy=policy), max_num_seqs=8, block_size=4, max_model_len=96,
         async_scheduling=overlap, **kwargs)
 
 
@@ -288,6 +285,29 @@ def test_async_speculative_steps_equal_the_synchronous_engine(pair, graph_mode,
         assert stats.generated_tokens == sync.last_stats.generated_tokens
     assert not overlapped.scheduler.running and overlapped.num_free_blocks == \
         overlapped.num_blocks
+
+
+def test_async_speculative_steps_under_the_cost_policy(pair):
+    """The default policy with steps launched ahead: it decides each step's drafts at its
+    launch and learns from it when it lands, its step times taken on the work clock of the
+    launch and the landing (``WorkMarks``): the tokens equal the synchronous engine's
+    (greedy is lossless whatever it drafts), and every count it drafted has realized
+    times."""
+    sync = _spec(pair, False, policy="cost")
+    overlapped = _spec(pair, True, policy="cost")
+    params = [SamplingParams(temperature=0.0, max_tokens=24 + 3 * i, ignore_eos=True)
+              for i in range(5)]
+    for size in (1, 5):
+        expected = [o.token_ids for o in sync.generate(SPEC_PROMPTS[:size], params[:size])]
+        got = [o.token_ids for o in overlapped.generate(SPEC_PROMPTS[:size], params[:size])]
+        assert got == expected, size
+    assert overlapped.overlap.num_overlapped > 10
+    realized = overlapped.policy.realized_times
+    assert realized.buckets and all(bucket.steps > 0 for bucket in realized.buckets.values())
+    for bucket in realized.buckets.values():
+        drafted = {d for d, samples in bucket.draft.items() if samples}
+        assert drafted and all(s > 0 for d in drafted for s in bucket.draft[d])
+        assert all(s > 0 for samples in bucket.verify.values() for s in samples)
 
 
 def test_async_speculative_steps_with_joins_aborts_and_preemption(pair):

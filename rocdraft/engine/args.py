@@ -58,11 +58,11 @@ class EngineArgs:
     exact (benchmarks), at the cost of host syncs.
 
     ``async_scheduling``: launch each step before the previous one's tokens reach the host
-    (rocdraft/engine/overlap.py): target-only decode steps, and the steps of a chain config
-    under ``draft_policy="fixed"``. None (default): on a GPU for those engines at
-    tensor-parallel size 1, off on the CPU (where nothing overlaps); True requires one of
-    them at tensor-parallel size 1 (the cost policy times each step's phases on the host, a
-    tree config's next tree follows the accepted path; the workers' inputs are sent from
+    (rocdraft/engine/overlap.py): target-only decode steps, and the steps of a chain
+    config. None (default): on a GPU for those engines at tensor-parallel size 1, off on the
+    CPU (where nothing overlaps); True requires one of them at tensor-parallel size 1 (a
+    tree config's next tree follows the accepted path on the host; unpadded drafting reads
+    host seq lens that a step launched ahead only bounds; the workers' inputs are sent from
     the host)."""
 
     target: str
@@ -150,7 +150,7 @@ class EngineArgs:
 
 def async_speculation_error(speculative_config) -> str | None:
     """Why steps of this speculative config cannot be launched ahead of the host, or None
-    (no speculation, or a chain under ``draft_policy="fixed"`` with padded drafting)."""
+    (no speculation, or a chain config with padded drafting)."""
     if speculative_config is None:
         return None
     if speculative_config.draft_tree() is not None:
@@ -160,10 +160,6 @@ def async_speculation_error(speculative_config) -> str | None:
         return ("padded_drafting=False drops rejected tokens on the host (a read of the step "
                 "just launched) and sizes the head's step from host seq lens, which a step "
                 "launched ahead only bounds; keep padded_drafting or drop async_scheduling")
-    if speculative_config.draft_policy != "fixed":
-        return (f"draft_policy={speculative_config.draft_policy!r} times each step's "
-                f"phases on the host, which steps launched ahead cannot give it; use "
-                f"draft_policy='fixed' or drop async_scheduling")
     return None
 
 

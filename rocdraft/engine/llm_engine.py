@@ -252,11 +252,11 @@ class LLMEngine:
 
             schedule -> target forward -> verify (sampled [B, k+1]) -> propose next drafts
             -> one host read -> request updates -> the policy observes the step"""
-        if self.overlap is not None:
-            return self.overlap.step(scheduler, stats)
         runner, drafter, policy = self.model_runner, self.draft_runner, self.policy
         if drafter is not None and not scheduler.running:
             self._ensure_step_costs(scheduler)
+        if self.overlap is not None:
+            return self.overlap.step(scheduler, stats)
         t0, w0 = runner.clock(), runner.work_clock()
         scheduled = scheduler.schedule()
         batch = runner.build_batch(scheduled)
@@ -290,24 +290,32 @@ class LLMEngine:
 
     def _drafting(self, lookahead: int) -> Drafting:
         """This engine's drafting for async speculative steps (rocdraft/engine/overlap.py):
-        a chain config's, under ``draft_policy="fixed"`` (args.py refuses the others)."""
+        a chain config's (args.py refuses trees). The policy decides each step's drafts when
+        it is launched, on what had landed by then (its outlook counts a request's tokens
+        in flight as still to come), and learns from each step when it lands."""
         runner, drafter, policy = self.model_runner, self.draft_runner, self.policy
+
+        def num_drafts(scheduled) -> int:
+            return policy.num_drafts(len(scheduled), batch_outlook(
+                scheduled, self.scheduler, self.max_model_len)
+                if policy.wants_outlook else None)
 
         def propose(batch, sampled, out, num_drafts: int, plan):
             shared = plan if drafter.shares_plan_with(runner.backend) else None
             return self._propose(batch, sampled, out, None, num_drafts, shared)[0].tokens
 
         def observe(step, live, sampled, drafts, results, prefill: bool,
-                    seconds: float) -> None:
+                    work: tuple[float, float]) -> None:
             scheduled = [step.scheduled[i] for i in live]
             samples = [step.batch.samples[i] for i in live]
             view = _LiveRows(samples, step.batch.draft_parents)
+            seconds, draft_seconds = work
             policy.observe(step_record(scheduled, view, HostStep(sampled, drafts, None, None),
                                        results, prefill, seconds,
-                                       step.num_drafts, step.seconds.get("draft", 0.0),
-                                       shape=None))
+                                       step.num_drafts if drafts is not None else 0,
+                                       draft_seconds, shape=None))
 
-        return Drafting(drafter.aux_layer_ids, lookahead, policy.num_drafts, propose, observe)
+        return Drafting(drafter.aux_layer_ids, lookahead, num_drafts, propose, observe)
 
     def _propose(self, batch, sampled, out, verified_tree, num_drafts: int, target_plan):
         """The next step's drafts -> (ChainDrafts or TreeDrafts, the shape a tree config
@@ -374,8 +382,8 @@ class _LiveRows:
 
 def _async_scheduling(args: EngineArgs, runner: ModelRunner) -> bool:
     """EngineArgs.async_scheduling resolved: its value, or by default on a GPU at
-    tensor-parallel size 1 for a target-only engine or a chain config under
-    ``draft_policy="fixed"`` (args.py refused True elsewhere)."""
+    tensor-parallel size 1 for a target-only engine or a chain config (args.py refused True
+    elsewhere)."""
     if args.async_scheduling is not None:
         return args.async_scheduling
     return runner.device != "cpu" and runner.executor is None \

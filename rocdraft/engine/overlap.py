@@ -1,7 +1,7 @@
 """Async scheduling: step n+1 is built and launched before step n's results reach the
 host, so on a GPU the host's work of a step (reading the tokens, appending them, stop
 checks, building the next inputs) runs while the device computes. Target-only decode
-steps, and the speculative steps of a chain config under ``draft_policy="fixed"``.
+steps, and the speculative steps of a chain config.
 
     one engine step (``DecodeOverlap.step``), with step n launched by the previous one:
         continuation of n (host: which requests go on, their blocks)
@@ -36,10 +36,11 @@ n+1's host metadata holds bounds where n's acceptance is unknown: ``seq_lens_cpu
 them only to size work and pick kernels, and mask by the device seq lens, which are exact;
 unpadded drafting, which reads the host's, is refused with async scheduling). A
 continuation over the token budget (``max_num_batched_tokens``, where the scheduler would
-cut the drafts) waits for n to land too. The cost policy (``draft_policy="cost"``)
-times each step's phases on the host and a tree config's next tree follows the accepted
-path on the host, so their steps stay synchronous (EngineArgs refuses async_scheduling=True
-there). On the CPU nothing overlaps (torch runs each op to its end), so the engine
+cut the drafts) waits for n to land too. The draft policy decides a step's drafts when it is launched, on
+what had landed by then, and learns from it when it lands: its step times from
+``WorkMarks`` (the CPU time of the launch and the landing on the CPU, the device's time on
+a GPU). A tree config's next tree follows the accepted path on the host, so its steps stay
+synchronous (EngineArgs refuses async_scheduling=True there). On the CPU nothing overlaps (torch runs each op to its end), so the engine
 schedules synchronously there unless asked; the tests run this path on the CPU for
 equality with the synchronous engine.
 """
@@ -69,6 +70,31 @@ class LaunchedStep:
     seconds: dict  # the phases' host seconds: bookkeeping, target_verify, sampler, draft
     drafts: torch.Tensor | None = None  # [B, num_drafts] int64: the next step's drafts
     num_drafts: int = 0  # drafts per request the step made (0: none)
+    marks: "WorkMarks | None" = None  # its start, drafting's start and end (the policy's)
+
+
+class WorkMarks:
+    """Marks on the clock the draft policy learns step times from (``ModelRunner.
+    work_clock``'s role): on the CPU this thread's CPU time, taken as the launch runs the
+    work; on a GPU CUDA events on the stream, so a step launched ahead is timed by the
+    device's own time, read after its results landed."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.events, self.marks = runner, runner.device != "cpu", []
+
+    def mark(self) -> None:
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(self.runner.work_clock())
+
+    def between(self, first: int, last: int) -> float:
+        """Seconds from mark ``first`` to mark ``last`` (on a GPU once both completed)."""
+        if self.events:
+            return self.marks[first].elapsed_time(self.marks[last]) / 1e3
+        return self.marks[last] - self.marks[first]
 
 
 @dataclass(frozen=True)
@@ -78,11 +104,11 @@ class Drafting:
 
     aux_layer_ids: tuple[int, ...]  # the target layers whose hidden states the head reads
     lookahead: int  # slots a request needs past its tokens for one step's drafts
-    num_drafts: Callable[[int], int]  # batch size -> drafts per request to make
+    num_drafts: Callable[[list], int]  # the step's requests -> drafts per request to make
     # (batch, sampled, target output, num_drafts, target plan) -> [B, num_drafts] int64
     propose: Callable
     # (landed step, its live rows, sampled rows, draft rows, StepResults, whether it
-    # computed prompt tokens, seconds) -> None
+    # computed prompt tokens, (its work seconds, of which drafting)) -> None
     observe: Callable
 
 
@@ -206,6 +232,9 @@ class DecodeOverlap:
     def _launch(self, scheduled: list[ScheduledRequest], in_flight, previous
                 ) -> LaunchedStep:
         runner, drafting = self.runner, self.drafting
+        marks = None if drafting is None else WorkMarks(runner)
+        if marks is not None:
+            marks.mark()
         t0 = runner.clock()
         batch = runner.build_batch(scheduled, in_flight)
         if previous is not None:
@@ -221,21 +250,24 @@ class DecodeOverlap:
         t3 = runner.clock()
         drafts, num_drafts = None, 0
         if drafting is not None:
-            num_drafts = drafting.num_drafts(len(scheduled))
+            num_drafts = drafting.num_drafts(scheduled)
+            marks.mark()
             # (a prompt's step keeps the head's cache in step; a continuation has none)
             if num_drafts or (in_flight is None and has_prefill_tokens(scheduled)):
                 drafts = drafting.propose(batch, sampled, out, num_drafts, plan)
                 drafts = drafts[:, :num_drafts] if num_drafts else None
+            marks.mark()
         t4 = runner.clock()
         host, copied = _start_copy(sampled if drafts is None
                                    else torch.cat([sampled, drafts], dim=1))
         return LaunchedStep(scheduled, batch, sampled, host, copied,
                             {"bookkeeping": t1 - t0, "target_verify": t2 - t1,
-                             "sampler": t3 - t2, "draft": t4 - t3}, drafts, num_drafts)
+                             "sampler": t3 - t2, "draft": t4 - t3}, drafts, num_drafts,
+                            marks)
 
     def _land(self, step: LaunchedStep, scheduler: Scheduler, stats: GenerationStats):
         runner = self.runner
-        t0 = runner.clock()
+        t0, w0 = runner.clock(), runner.work_clock()
         if step.copied is not None:
             step.copied.synchronize()
         rows = step.host.tolist()
@@ -251,8 +283,11 @@ class DecodeOverlap:
         seconds["bookkeeping"] += runner.clock() - t0
         stats.add_step_times(**seconds)
         if self.drafting is not None:
-            self.drafting.observe(step, live, sampled, drafts, results, prefill,
-                                  sum(seconds.values()))
+            # the step's work: its launch, and on the CPU its landing (on a GPU the landing
+            # runs beside the next step's device work)
+            landing = runner.work_clock() - w0 if not step.marks.events else 0.0
+            work = (step.marks.between(0, 2) + landing, step.marks.between(1, 2))
+            self.drafting.observe(step, live, sampled, drafts, results, prefill, work)
         return results.advanced
 
 

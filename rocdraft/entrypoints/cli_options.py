@@ -63,8 +63,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the draft loop")
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="launch each step before the previous step's tokens reach the "
-                        "host: target-only decode, or a chain under --draft-policy fixed "
-                        "(auto: on a GPU for those, TP 1)")
+                        "host: target-only decode, or a chain config (auto: on a GPU for "
+                        "those, TP 1; tree configs run synchronously)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="shard the target over N processes (N GPUs; gloo processes on the "
                         "CPU); rank 0 is this process, the others are started (or come from "
