@@ -1,11 +1,12 @@
 """Async scheduling (rocdraft/engine/overlap.py) on the CPU: the engine launches each
 target-only decode step, and each speculative step of a chain config (the fixed and the
-cost policy), before the previous one lands, and its outputs (greedy and seeded, with requests stopping
-at stop ids and max_tokens, joining, being aborted and preempted between steps, through the
-padded graph runner and eagerly) equal the synchronous engine's. On the CPU the launched step runs to its end before the previous one is read, so
-these tests prove the bookkeeping (which requests continue, their positions, slots and
-input tokens gathered on the device, the rows dropped after a stop), not the overlap's
-speed: that the GPU stays busy is for bench_shapes.py on the hardware."""
+cost policy), before the previous one lands, and its outputs (greedy and seeded, with
+requests stopping at stop ids and max_tokens, joining, being aborted and preempted between
+steps, through the padded graph runner and eagerly) equal the synchronous engine's. On the
+CPU the launched step runs to its end before the previous one is read, so these tests
+prove the bookkeeping (which requests continue, their positions, slots, drafts and input
+tokens gathered on the device, the rows dropped after a stop), not the overlap's speed:
+that the GPU stays busy is for bench_shapes.py on the hardware."""
 from __future__ import annotations
 
 import pytest

@@ -122,14 +122,14 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     shape (``padding_only_batch``).
 
     ``in_flight`` (async scheduling, rocdraft/engine/overlap.py): per request an
-    ``InFlight`` (a (kept, row[, more]) tuple). Every request then computes its one input token and its d drafts
-    (``num_draft_tokens``) from position ``num_computed_tokens + tokens``, none of whose
-    ids is on the host yet: ``input_ids`` and ``draft_token_ids`` hold 0 there,
-    ``input_sources`` the row, and the request samples. Where the launched step may keep
-    more (its accepted drafts, known on the device only), the positions, slots and
-    seq lens written here are those of keeping none, ``overlap.fill_inputs`` moves them on
-    the device, and the host's seq lens (``seq_lens_cpu``, ``max_seq_len``) are the bound
-    of keeping all.
+    ``InFlight`` (a (kept, row[, more]) tuple). Every request then computes its one input
+    token and its d drafts (``num_draft_tokens``) from position ``num_computed_tokens +
+    kept``, none of whose ids is on the host yet: ``input_ids`` and ``draft_token_ids``
+    hold 0 there, ``input_sources`` the row, and the request samples. Where the launched
+    step may keep more (its accepted drafts, known on the device only), the positions,
+    slots and seq lens written here are those of keeping none, ``overlap.fill_inputs``
+    moves them on the device, and the host's seq lens (``seq_lens_cpu``, ``max_seq_len``)
+    are the bound of keeping all.
     """
     if (empty_shape is not None) != (not scheduled and pad_to is not None):
         raise ValueError("empty_shape goes with an empty padded batch (no requests, pad_to), "

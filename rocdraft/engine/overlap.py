@@ -36,13 +36,15 @@ n+1's host metadata holds bounds where n's acceptance is unknown: ``seq_lens_cpu
 them only to size work and pick kernels, and mask by the device seq lens, which are exact;
 unpadded drafting, which reads the host's, is refused with async scheduling). A
 continuation over the token budget (``max_num_batched_tokens``, where the scheduler would
-cut the drafts) waits for n to land too. The draft policy decides a step's drafts when it is launched, on
-what had landed by then, and learns from it when it lands: its step times from
-``WorkMarks`` (the CPU time of the launch and the landing on the CPU, the device's time on
-a GPU). A tree config's next tree follows the accepted path on the host, so its steps stay
-synchronous (EngineArgs refuses async_scheduling=True there). On the CPU nothing overlaps (torch runs each op to its end), so the engine
-schedules synchronously there unless asked; the tests run this path on the CPU for
-equality with the synchronous engine.
+cut the drafts) waits for n to land too.
+
+The draft policy decides a step's drafts when it is launched, on what had landed by then,
+and learns from it when it lands: its step times from ``WorkMarks`` (the CPU time of the
+launch and the landing on the CPU, the device's time on a GPU). A tree config's next tree
+follows the accepted path on the host, so its steps stay synchronous (EngineArgs refuses
+async_scheduling=True there). On the CPU nothing overlaps (torch runs each op to its end),
+so the engine schedules synchronously there unless asked; the tests run this path on the
+CPU for equality with the synchronous engine.
 """
 from __future__ import annotations
 
