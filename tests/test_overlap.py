@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from checkpoints import write_tiny_llama
+from step_driver import stream_steps
 from sync_counter import count_syncs
 from rocdraft.config import SamplingParams, SchedulerConfig, SpeculativeConfig
 from rocdraft.core.request import Request, Status
@@ -82,19 +83,10 @@ def test_requests_joining_aborted_and_preempted_stream_the_same_tokens(target):
     for overlap in (False, True):
         engine = LLMEngine(target, max_num_seqs=8, block_size=4, max_model_len=48,
                            num_kv_blocks=14, async_scheduling=overlap)
-        streamed, step = {}, 0
-        arrivals = {0: [0, 1], 2: [2, 3], 5: [4]}
-        while step < 8 or engine.has_unfinished_requests():
-            for i in arrivals.get(step, []):
-                engine.add_request(i, PROMPTS[i], SamplingParams(
-                    temperature=0.0, max_tokens=14, ignore_eos=True))
-                streamed[i] = []
-            if step == 6:
-                assert engine.abort_request(1)
-            for out in engine.step():
-                streamed[out.request_id] += out.new_token_ids
-                assert out.token_ids[-len(out.new_token_ids):] == out.new_token_ids
-            step += 1
+        params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+        arrivals = {step: [(i, PROMPTS[i], params) for i in ids]
+                    for step, ids in {0: [0, 1], 2: [2, 3], 5: [4]}.items()}
+        streamed = stream_steps(engine, arrivals, {6: [1]}, 8)
         assert engine.stats.num_preemptions > 0
         if overlap:
             assert engine.overlap.num_overlapped > 0
@@ -321,20 +313,11 @@ def test_async_speculative_steps_with_joins_aborts_and_preemption(pair):
         engine = LLMEngine(target, draft=head, speculative_config=SpeculativeConfig(
             "eagle3", 3, draft_policy="fixed"), max_num_seqs=8, block_size=4,
             max_model_len=64, num_kv_blocks=24, async_scheduling=overlap)
-        streamed, step = {}, 0
-        arrivals = {0: [0, 1], 3: [2, 3], 6: [4]}
-        while step < 9 or engine.has_unfinished_requests():
-            for i in arrivals.get(step, []):
-                extra = {"temperature": 0.8, "seed": 5, "max_tokens": 5} if i == 4 \
-                    else {"temperature": 0.0, "max_tokens": 30}
-                engine.add_request(i, SPEC_PROMPTS[i], SamplingParams(ignore_eos=True,
-                                                                      **extra))
-                streamed[i] = []
-            if step == 7:
-                assert engine.abort_request(1)
-            for out in engine.step():
-                streamed[out.request_id] += out.new_token_ids
-            step += 1
+        greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True)
+        arrivals = {step: [(i, SPEC_PROMPTS[i], seeded if i == 4 else greedy) for i in ids]
+                    for step, ids in {0: [0, 1], 3: [2, 3], 6: [4]}.items()}
+        streamed = stream_steps(engine, arrivals, {7: [1]}, 9)
         assert engine.stats.num_preemptions > 0
         assert engine.stats.num_accepted_drafts > engine.stats.num_verify_steps
         if overlap:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from checkpoints import write_cyclic_pair
+from step_driver import stream_steps
 from sync_counter import count_syncs
 from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.core.request import Request
@@ -298,17 +299,9 @@ def test_preemption_and_requests_joining_and_leaving(pair):
         engine = LLMEngine(pair[0], draft=pair[1], max_num_seqs=8, block_size=4,
                            max_model_len=48, num_kv_blocks=16, graph_mode=mode,
                            **_spec("chain"))
-        streamed, step = {}, 0
-        arrivals = {0: [0, 1], 2: [2, 3], 4: [4]}
-        while step < 6 or engine.has_unfinished_requests():
-            for i in arrivals.get(step, []):
-                engine.add_request(i, PROMPTS[i], GREEDY)
-                streamed[i] = []
-            if step == 5:
-                assert engine.abort_request(1)
-            for out in engine.step():
-                streamed[out.request_id] += out.new_token_ids
-            step += 1
+        arrivals = {step: [(i, PROMPTS[i], GREEDY) for i in ids]
+                    for step, ids in {0: [0, 1], 2: [2, 3], 4: [4]}.items()}
+        streamed = stream_steps(engine, arrivals, {5: [1]}, 6)
         assert engine.stats.num_preemptions > 0
         assert engine.stats.acceptance_length > 1.5
         if mode == "replay-eagerly":
