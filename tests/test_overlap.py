@@ -288,13 +288,21 @@ def test_async_speculative_steps_under_the_cost_policy(pair):
     times."""
     sync = _spec(pair, False, policy="cost")
     overlapped = _spec(pair, True, policy="cost")
-    params = [SamplingParams(temperature=0.0, max_tokens=24 + 3 * i, ignore_eos=True)
-              for i in range(5)]
+    landed, records = [], []
+    land, observe = overlapped.overlap._land, overlapped.policy.observe
+    overlapped.overlap._land = lambda step, *a: landed.append(len(step.scheduled)) \
+        or land(step, *a)
+    overlapped.policy.observe = lambda record: records.append(record) or observe(record)
+    free = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 5
+    params = _params([o.token_ids for o in sync.generate(SPEC_PROMPTS, free)], False)
     for size in (1, 5):
         expected = [o.token_ids for o in sync.generate(SPEC_PROMPTS[:size], params[:size])]
         got = [o.token_ids for o in overlapped.generate(SPEC_PROMPTS[:size], params[:size])]
         assert got == expected, size
     assert overlapped.overlap.num_overlapped > 10
+    # each step's time is kept at the size it ran, rows dropped after a stop included
+    assert [r.batch_size for r in records] == landed
+    assert any(sum(r.samples) < r.batch_size for r in records)  # some rows were dropped
     realized = overlapped.policy.realized_times
     assert realized.buckets and all(bucket.steps > 0 for bucket in realized.buckets.values())
     for bucket in realized.buckets.values():

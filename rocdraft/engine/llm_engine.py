@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from rocdraft.config import SamplingParams
 from rocdraft.core.kv_budget import head_cache_spec
@@ -310,10 +311,12 @@ class LLMEngine:
             samples = [step.batch.samples[i] for i in live]
             view = _LiveRows(samples, step.batch.draft_parents)
             seconds, draft_seconds = work
-            policy.observe(step_record(scheduled, view, HostStep(sampled, drafts, None, None),
-                                       results, prefill, seconds,
-                                       step.num_drafts if drafts is not None else 0,
-                                       draft_seconds, shape=None))
+            record = step_record(scheduled, view, HostStep(sampled, drafts, None, None),
+                                 results, prefill, seconds,
+                                 step.num_drafts if drafts is not None else 0,
+                                 draft_seconds, shape=None)
+            # timed at the size it ran: rows dropped after an unforeseen stop computed too
+            policy.observe(replace(record, batch_size=len(step.scheduled)))
 
         return Drafting(drafter.aux_layer_ids, lookahead, num_drafts, propose, observe)
 

@@ -40,7 +40,9 @@ cut the drafts) waits for n to land too.
 
 The draft policy decides a step's drafts when it is launched, on what had landed by then,
 and learns from it when it lands: its step times from ``WorkMarks`` (the CPU time of the
-launch and the landing on the CPU, the device's time on a GPU). A tree config's next tree
+launch and the landing on the CPU; on a GPU the longer of the device's time and the host's,
+the one that paced the step). A step's time is recorded at the batch size it ran, rows
+dropped after an unforeseen stop included. A tree config's next tree
 follows the accepted path on the host, so its steps stay synchronous (EngineArgs refuses
 async_scheduling=True there). On the CPU nothing overlaps (torch runs each op to its end),
 so the engine schedules synchronously there unless asked; the tests run this path on the
@@ -77,26 +79,30 @@ class LaunchedStep:
 
 class WorkMarks:
     """Marks on the clock the draft policy learns step times from (``ModelRunner.
-    work_clock``'s role): on the CPU this thread's CPU time, taken as the launch runs the
-    work; on a GPU CUDA events on the stream, so a step launched ahead is timed by the
-    device's own time, read after its results landed."""
+    work_clock``'s role): this thread's work clock as the launch runs (on the CPU its CPU
+    time: the work itself), and on a GPU also CUDA events on the stream, so a step launched
+    ahead is timed by the device's own time too, read after its results landed."""
 
     def __init__(self, runner) -> None:
-        self.runner, self.events, self.marks = runner, runner.device != "cpu", []
+        self.runner, self.events = runner, runner.device != "cpu"
+        self.host: list[float] = []
+        self.device: list = []
 
     def mark(self) -> None:
+        self.host.append(self.runner.work_clock())
         if self.events:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(self.runner.work_clock())
+            self.device.append(event)
 
-    def between(self, first: int, last: int) -> float:
-        """Seconds from mark ``first`` to mark ``last`` (on a GPU once both completed)."""
-        if self.events:
-            return self.marks[first].elapsed_time(self.marks[last]) / 1e3
-        return self.marks[last] - self.marks[first]
+    def between(self, first: int, last: int, landing: float = 0.0) -> float:
+        """Seconds from mark ``first`` to mark ``last``, plus ``landing`` seconds of host
+        work after them: on the CPU the host's; on a GPU (once both events completed) the
+        longer of the device's and the host's, the one that paced the step."""
+        host = self.host[last] - self.host[first] + landing
+        if not self.events:
+            return host
+        return max(self.device[first].elapsed_time(self.device[last]) / 1e3, host)
 
 
 @dataclass(frozen=True)
@@ -285,10 +291,10 @@ class DecodeOverlap:
         seconds["bookkeeping"] += runner.clock() - t0
         stats.add_step_times(**seconds)
         if self.drafting is not None:
-            # the step's work: its launch, and on the CPU its landing (on a GPU the landing
-            # runs beside the next step's device work)
-            landing = runner.work_clock() - w0 if not step.marks.events else 0.0
-            work = (step.marks.between(0, 2) + landing, step.marks.between(1, 2))
+            # the step's work: its launch and its landing on the host, or on a GPU the
+            # device's time where that was longer (the host then worked beside it)
+            landing = runner.work_clock() - w0
+            work = (step.marks.between(0, 2, landing), step.marks.between(1, 2))
             self.drafting.observe(step, live, sampled, drafts, results, prefill, work)
         return results.advanced
 
