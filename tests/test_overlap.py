@@ -170,7 +170,8 @@ def _launched(scheduled: list[ScheduledRequest], drafts: int = 0) -> LaunchedSte
 
 def test_continuation_docstring_example_and_when_it_waits():
     """a (4 of 16 generated) goes on, b (15 of 16) finishes with the token in flight; a
-    waiting request, drafts, an aborted request or too few blocks make it wait."""
+    waiting request without blocks stays waiting; an aborted request is not continued, and
+    too few blocks make it wait."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32,
                              block_size=4, num_blocks=8)
     scheduler = Scheduler(config)
@@ -193,7 +194,8 @@ def test_continuation_docstring_example_and_when_it_waits():
     assert continuation(scheduler, _launched([ScheduledRequest(a, 1, 0)]), 32) is not None
     assert len(a.block_ids) == 3
     scheduler.add(Request(9, [1], SamplingParams()))
-    assert continuation(scheduler, previous, 32) is None  # the scheduler admits it first
+    follow = continuation(scheduler, previous, 32)  # no block is free for it: it waits
+    assert [s.request for s in follow[0]] == [a] and len(scheduler.waiting) == 1
     scheduler.waiting.clear()
     b.status = Status.FINISHED  # aborted: not continued, and a alone needs blocks
     taken = scheduler.allocator.allocate(scheduler.allocator.num_free_blocks)
@@ -313,14 +315,19 @@ def test_async_speculative_steps_under_the_cost_policy(pair):
 
 def test_async_speculative_steps_with_joins_aborts_and_preemption(pair):
     """The step API under KV pressure with requests added and aborted between steps: every
-    request streams the synchronous engine's tokens; a seeded random request among them
-    (its noise needs its output length on the host) is stepped synchronously."""
-    streams, overlapped = [], 0
+    request streams the synchronous engine's tokens; requests arriving join a step launched
+    ahead (admitted beside it); a seeded random request among them (its noise needs its
+    output length on the host) is stepped synchronously."""
+    streams, overlapped, joined = [], 0, []
     for overlap in (False, True):
         target, head = pair
         engine = LLMEngine(target, draft=head, speculative_config=SpeculativeConfig(
             "eagle3", 3, draft_policy="fixed"), max_num_seqs=8, block_size=4,
             max_model_len=64, num_kv_blocks=24, async_scheduling=overlap)
+        if overlap:
+            launch = engine.overlap._launch
+            engine.overlap._launch = lambda rows, flights, previous: joined.append(
+                flights is not None and None in flights) or launch(rows, flights, previous)
         greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
         seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True)
         arrivals = {step: [(i, SPEC_PROMPTS[i], seeded if i == 4 else greedy) for i in ids]
@@ -334,6 +341,7 @@ def test_async_speculative_steps_with_joins_aborts_and_preemption(pair):
         streams.append(streamed)
     assert streams[0] == streams[1]
     assert overlapped > 3, overlapped
+    assert any(joined)  # a request admitted beside a step launched ahead
 
 
 def test_an_async_speculative_step_reads_the_host_once(pair):
@@ -359,6 +367,34 @@ def test_an_async_speculative_step_reads_the_host_once(pair):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_a_continuation_admits_waiting_requests_beside_it():
+    """Requests waiting join the step launched ahead as ``schedule`` would admit them (after
+    the running ones, within the token budget left, a long prompt chunked), their rows
+    built from the host (None in in_flight) after the in-flight rows."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=64,
+                             block_size=4, num_blocks=32)
+    scheduler = Scheduler(config)
+    a = _running(0, 4, 30, scheduler.allocator.allocate(2))
+    scheduler.running.append(a)
+    new = Request(7, [2, 4, 6], SamplingParams(temperature=0.0, max_tokens=8))
+    long = Request(8, list(range(1, 21)), SamplingParams(temperature=0.0, max_tokens=8))
+    scheduler.add(new)
+    scheduler.add(long)
+    rows, in_flight = continuation(scheduler, _launched([ScheduledRequest(a, 3, 2)],
+                                                        drafts=2), 64, 2)
+    assert [(s.request, s.num_new_tokens, s.num_draft_tokens) for s in rows] == \
+        [(a, 3, 2), (new, 3, 0), (long, 6, 0)]  # 12 tokens: the long prompt's first 6
+    assert in_flight == [(1, 0, 2), None, None] and not scheduler.waiting
+    batch = build_step_batch(rows, 16, 4, "cpu", in_flight=in_flight)
+    assert batch.in_flight_rows == 1 and batch.samples == [True, True, False]
+    assert batch.input_ids.tolist() == [0, 0, 0, 2, 4, 6, 1, 2, 3, 4, 5, 6]
+    fill_inputs(batch, torch.tensor([[5, 6, -1]]), torch.tensor([[8, 9]]), 4)
+    assert batch.input_ids.tolist() == [6, 8, 9, 2, 4, 6, 1, 2, 3, 4, 5, 6]
+    # a: 7 tokens, 6 computed, the launched step kept 1 + 1 accepted: from position 8
+    assert batch.positions.tolist() == [8, 9, 10, 0, 1, 2, 0, 1, 2, 3, 4, 5]
+    assert batch.common.seq_lens.tolist() == [11, 3, 6]
 
 
 def test_fill_inputs_moves_a_speculative_step_by_what_the_previous_one_accepted():

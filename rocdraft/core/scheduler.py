@@ -89,8 +89,23 @@ class Scheduler:
             req.keep_drafts(num_drafts)
             scheduled.append(ScheduledRequest(req, num_new + num_drafts, num_drafts))
             budget -= num_new + num_drafts
-        while self.waiting and not preempted and budget > 0 \
-                and len(self.running) < self.config.max_num_seqs:
+        if not preempted:
+            scheduled += self.admit(budget)
+        if not scheduled and self.waiting and not self.running:
+            req = self.waiting[0]
+            raise RuntimeError(f"request {req.request_id} needs more KV blocks than the cache "
+                               f"holds ({self.config.num_blocks} blocks of "
+                               f"{self.config.block_size}); raise num_blocks")
+        return scheduled
+
+    def admit(self, budget: int) -> list[ScheduledRequest]:
+        """Waiting requests admitted (oldest first, blocks allocated, now running) while
+        ``budget`` tokens, ``max_num_seqs`` and free blocks allow; a prompt longer than
+        what is left of the budget computes a chunk of it. ``schedule`` admits after the
+        running requests; async scheduling (rocdraft/engine/overlap.py) beside a step
+        launched ahead."""
+        admitted = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.allocator.can_allocate(self._blocks_for(req, num_new)):
@@ -99,14 +114,9 @@ class Scheduler:
             req.block_ids += self.allocator.allocate(self._blocks_for(req, num_new))
             req.status = Status.RUNNING
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, num_new, 0))
+            admitted.append(ScheduledRequest(req, num_new, 0))
             budget -= num_new
-        if not scheduled and self.waiting and not self.running:
-            req = self.waiting[0]
-            raise RuntimeError(f"request {req.request_id} needs more KV blocks than the cache "
-                               f"holds ({self.config.num_blocks} blocks of "
-                               f"{self.config.block_size}); raise num_blocks")
-        return scheduled
+        return admitted
 
     def reserve(self, needs: list[tuple[Request, int]]) -> bool:
         """Blocks for each request to hold its given number of tokens (plus the lookahead,

@@ -87,6 +87,7 @@ class StepBatch:
     # (its input token and drafts, and the drafts that step accepted, which move its
     # positions, seq lens and slots: ``overlap.fill_inputs``); None otherwise.
     input_sources: torch.Tensor | None = None
+    in_flight_rows: int = 0  # of them, the first rows' (requests admitted beside them follow)
 
     @property
     def max_drafts(self) -> int:
@@ -122,8 +123,9 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     shape (``padding_only_batch``).
 
     ``in_flight`` (async scheduling, rocdraft/engine/overlap.py): per request an
-    ``InFlight`` (a (kept, row[, more]) tuple). Every request then computes its one input
-    token and its d drafts (``num_draft_tokens``) from position ``num_computed_tokens +
+    ``InFlight`` (a (kept, row[, more]) tuple), then None for each request admitted beside
+    them (its prompt on the host, built as usual). Every request with an entry computes its
+    one input token and its d drafts (``num_draft_tokens``) from position ``num_computed_tokens +
     kept``, none of whose ids is on the host yet: ``input_ids`` and ``draft_token_ids``
     hold 0 there, ``input_sources`` the row, and the request samples. Where the launched
     step may keep more (its accepted drafts, known on the device only), the positions,
@@ -143,19 +145,23 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     image_rows = []  # (request, start, tokens computed, drafts) for rocdraft/core/multimodal.py
     is_tree = any(s.request.spec_parents for s in scheduled if s.num_draft_tokens) or \
         (empty_shape is not None and empty_shape.tree_mask)
-    if in_flight is not None and (len(in_flight) != len(scheduled) or any(
-            s.num_new_tokens != 1 + s.num_draft_tokens for s in scheduled)):
-        raise ValueError(f"in_flight needs one (tokens, row[, more]) per request computing "
-                         f"one token and its drafts, got {len(in_flight)} for "
-                         f"{len(scheduled)} requests, query lengths "
-                         f"{[s.num_new_tokens for s in scheduled]}")
-    in_flight = None if in_flight is None else [InFlight(*entry) for entry in in_flight]
-    bound_extra = [] if in_flight is None else [entry.more for entry in in_flight]
+    if in_flight is not None:
+        in_flight = [None if entry is None else InFlight(*entry) for entry in in_flight]
+        flying = sum(entry is not None for entry in in_flight)
+        if len(in_flight) != len(scheduled) or None in in_flight[:flying] or any(
+                s.num_new_tokens != 1 + s.num_draft_tokens for s in scheduled[:flying]):
+            raise ValueError(
+                f"in_flight needs one (tokens, row[, more]) per request computing one token "
+                f"and its drafts, then None per request admitted beside them, got "
+                f"{in_flight} for {len(scheduled)} requests, query lengths "
+                f"{[s.num_new_tokens for s in scheduled]}")
+    flights = in_flight or [None] * len(scheduled)
+    bound_extra = [0 if entry is None else entry.more for entry in flights]
     for i, item in enumerate(scheduled):
         req, n, d = item.request, item.num_new_tokens, item.num_draft_tokens
         start = req.num_computed_tokens
-        if in_flight is not None:  # past what is in flight: its ids on the device
-            start += in_flight[i].kept
+        if flights[i] is not None:  # past what is in flight: its ids on the device
+            start += flights[i].kept
             ids += [0] * n
         else:
             ids += req.token_ids_slice(start, start + n - d)
@@ -182,16 +188,15 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         table_rows.append(blocks + [-1] * (max_blocks_per_seq - len(blocks)))
         last = qsl[-1] - 1
         sample_rows.append([min(last - d + j, last) for j in range(max_drafts + 1)])
-        drafts = req.spec_token_ids[:d] if in_flight is None else [0] * d
+        drafts = req.spec_token_ids[:d] if flights[i] is None else [0] * d
         draft_rows.append(drafts + [0] * (max_drafts - d))
         next_index = start + n
         backups.append(req.token_id_at(next_index) if next_index < req.num_tokens
-                       and in_flight is None else 0)
+                       and flights[i] is None else 0)
     num_reqs, num_tokens = len(scheduled), qsl[-1]
     no_padding_slots = PADDING_SLOT_ID not in slots
     num_drafts = [s.num_draft_tokens for s in scheduled]
-    samples = [s.completes_prefill for s in scheduled] if in_flight is None \
-        else [True] * num_reqs
+    samples = [entry is not None or s.completes_prefill for s, entry in zip(scheduled, flights)]
     discard = [not s for s in samples]
     # A chain's tree mask is the causal one (rocdraft/spec_decode/draft_shape.py drafts chains
     # in tree mode): only a branching tree needs it.
@@ -240,7 +245,8 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
     if branching:
         host["spec_mask"] = verify_tree_mask(tree_parents, max_drafts + 1)
     if in_flight is not None:  # last: the sections before keep a graph key's addresses
-        host["input_sources"] = torch.tensor([entry.row for entry in in_flight]
+        host["input_sources"] = torch.tensor([0 if entry is None else entry.row
+                                              for entry in in_flight]
                                              + [0] * (rows - num_reqs), dtype=torch.long)
     uploader = uploader or StepInputBuffers(device)
     dev = uploader.upload(host, persistent=pad_to is not None)
@@ -284,7 +290,8 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         draft_parents=first("draft_parents", num_reqs) if is_tree else None,
         target_splice=images and images.target_splice, head_splice=images and images.head_splice,
         padded=padded,
-        input_sources=first("input_sources", num_reqs) if in_flight is not None else None)
+        input_sources=first("input_sources", num_reqs) if in_flight is not None else None,
+        in_flight_rows=0 if in_flight is None else flying)
 
 
 def graph_key(batch: StepBatch, aux_layer_ids: tuple[int, ...]) -> tuple:

@@ -18,14 +18,17 @@ steps, and the speculative steps of a chain config.
 
 What is known before n lands decides the continuation: the requests of n that sampled and
 still run, less those that n surely finishes by length (its one sure token reaches
-max_tokens or max_model_len); no request waiting that the scheduler could admit now (below
-``max_num_seqs`` it is admitted after n lands; at ``max_num_seqs`` it waits for a request to
-finish either way, and joins one step later than in the synchronous engine); blocks for the
-most n may keep (every draft it verifies) plus the next step's tokens. A speculative
+max_tokens or max_model_len), with blocks for the most n may keep (every draft it
+verifies) plus the next step's tokens; then the requests waiting, admitted beside them as
+``schedule`` would admit them (``Scheduler.admit``: within the token budget left, blocks
+allowing, a long prompt chunked; their rows are built from the host, after the in-flight
+rows; at ``max_num_seqs`` a request waits for a request to finish, which frees its slot when
+n lands, so it joins one step later than in the synchronous engine). A speculative
 continuation also waits for n to land when a running request would be left out of it, a
 request is seeded (its noise follows its output length, known on the host only) or has
 images (M-RoPE positions), or keeping every draft and drafting again could pass
-max_model_len. Otherwise n lands first and the scheduler plans the next step as in the
+max_model_len; any continuation waits after a step that computed a prompt chunk without
+sampling. Otherwise n lands first and the scheduler plans the next step as in the
 synchronous engine. A request that n finishes unforeseen (EOS, a stop id, max_tokens
 reached by accepted drafts, an abort between steps) still computes its row in n+1: that row
 is dropped when n+1 lands, and its KV writes land in blocks freed after n, which any later
@@ -134,28 +137,29 @@ def fill_inputs(batch: StepBatch, previous_sampled: torch.Tensor,
     [[8, 9], [3, 4]]; a batch of both rows gets ids [6, 8, 9, 7, 3, 4], row 0's positions
     one further than built, row 1's as built.
     """
-    sources = batch.input_sources
+    rows = batch.in_flight_rows or batch.input_sources.shape[0]
+    sources = batch.input_sources[:rows]
     if previous_drafts is None and previous_sampled.shape[1] == 1:  # no drafts either side
-        batch.input_ids.copy_(previous_sampled[:, 0].index_select(0, sources))
+        batch.input_ids[:rows].copy_(previous_sampled[:, 0].index_select(0, sources))
         return
-    rows = sources.shape[0]
     kept = (previous_sampled >= 0).sum(dim=1) - 1  # [B_prev] drafts accepted
-    accepted = kept.index_select(0, sources)  # [B]
+    accepted = kept.index_select(0, sources)  # [rows]
     last = previous_sampled.gather(1, kept.unsqueeze(1)).squeeze(1).index_select(0, sources)
-    query = batch.input_ids.shape[0] // rows
-    ids = batch.input_ids.view(rows, query)
+    query = 1 + (batch.num_draft_tokens_cpu[0] if rows else 0)  # the in-flight rows' own
+    tokens = rows * query  # their tokens come first (requests admitted beside them follow)
+    ids = batch.input_ids[:tokens].view(rows, query)
     ids[:, 0].copy_(last)
     if query > 1:
         drafts = previous_drafts.index_select(0, sources)[:, :query - 1]
         ids[:, 1:].copy_(drafts)
-        batch.draft_token_ids[:, :query - 1].copy_(drafts)
+        batch.draft_token_ids[:rows, :query - 1].copy_(drafts)
     if previous_sampled.shape[1] > 1:  # the previous step verified drafts
-        positions = batch.positions.view(rows, query)
+        positions = batch.positions[:tokens].view(rows, query)
         positions.add_(accepted.unsqueeze(1))
-        seq_lens = batch.common.seq_lens
+        seq_lens = batch.common.seq_lens[:rows]
         seq_lens.add_(accepted.to(seq_lens.dtype))
-        blocks = batch.common.block_table.long().gather(1, positions // block_size)
-        batch.common.slot_mapping.view(rows, query).copy_(
+        blocks = batch.common.block_table[:rows].long().gather(1, positions // block_size)
+        batch.common.slot_mapping[:tokens].view(rows, query).copy_(
             blocks * block_size + positions % block_size)
 
 
@@ -171,8 +175,7 @@ def continuation(scheduler: Scheduler, previous: LaunchedStep, max_model_len: in
     Example: previous decoded requests a (4 of max_tokens 16 generated) and b (15 of 16):
     b finishes with this token, so the continuation is [a], with in-flight [(1, 0, 0)].
     """
-    admits = scheduler.waiting and len(scheduler.running) < scheduler.config.max_num_seqs
-    if admits or not all(previous.batch.samples):
+    if not all(previous.batch.samples):
         return None
     drafts = previous.num_drafts
     rows, in_flight, needs, finishing = [], [], [], set()
@@ -202,11 +205,13 @@ def continuation(scheduler: Scheduler, previous: LaunchedStep, max_model_len: in
             id(req) not in finishing and req not in [s.request for s in rows]
             for req in scheduler.running):
         return None  # a request would be left out of the speculative batch
-    if len(rows) * (1 + drafts) > scheduler.config.max_num_batched_tokens:
+    budget = scheduler.config.max_num_batched_tokens - len(rows) * (1 + drafts)
+    if budget < 0:
         return None  # past the token budget: the scheduler cuts the drafts
     if not rows or not scheduler.reserve(needs):
         return None
-    return rows, in_flight
+    admitted = scheduler.admit(budget)  # the queue's requests join as in ``schedule``
+    return rows + admitted, in_flight + [None] * len(admitted)
 
 
 class DecodeOverlap:
@@ -253,15 +258,18 @@ class DecodeOverlap:
         out, logits = runner.forward(batch, () if drafting is None else drafting.aux_layer_ids,
                                      plan)
         t2 = runner.clock()
-        ahead = None if in_flight is None else [1] * len(scheduled)
+        ahead = None if in_flight is None else [int(entry is not None) for entry in in_flight]
         sampled, _ = runner.verify(logits, batch, scheduled, ahead)
         t3 = runner.clock()
         drafts, num_drafts = None, 0
         if drafting is not None:
             num_drafts = drafting.num_drafts(scheduled)
             marks.mark()
-            # (a prompt's step keeps the head's cache in step; a continuation has none)
-            if num_drafts or (in_flight is None and has_prefill_tokens(scheduled)):
+            # (a prompt's step keeps the head's cache in step: a continuation has one where
+            # a request was admitted beside it)
+            prompts = has_prefill_tokens(scheduled) if in_flight is None \
+                else None in in_flight
+            if num_drafts or prompts:
                 drafts = drafting.propose(batch, sampled, out, num_drafts, plan)
                 drafts = drafts[:, :num_drafts] if num_drafts else None
             marks.mark()

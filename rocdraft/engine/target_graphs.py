@@ -151,7 +151,7 @@ class TargetGraphRunner:
         if q > self.max_query_len or any(s.num_new_tokens != q for s in scheduled):
             return None
         ahead = [0] * len(scheduled) if in_flight is None \
-            else [entry.kept + entry.more for entry in (InFlight(*e) for e in in_flight)]
+            else [0 if e is None else InFlight(*e).kept + InFlight(*e).more for e in in_flight]
         if any(s.request.num_computed_tokens + extra + q > self.max_seq_len
                for s, extra in zip(scheduled, ahead)):
             return None
