@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 from rocdraft.config import SamplingParams
 from rocdraft.core.kv_budget import head_cache_spec
@@ -29,7 +28,7 @@ from rocdraft.engine.args import EngineArgs, async_speculation_error
 from rocdraft.engine.loading import load_draft_runner
 from rocdraft.engine.model_runner import ModelRunner
 from rocdraft.engine.overlap import DecodeOverlap, Drafting
-from rocdraft.engine.target_graphs import startup_shapes
+from rocdraft.engine.target_graphs import config_shapes
 from rocdraft.engine.request_updates import (HostStep, apply_step, batch_outlook,
                                              has_prefill_tokens, read_step, step_record)
 from rocdraft.errors import RocdraftError
@@ -69,7 +68,7 @@ class LLMEngine:
         self.draft_runner = load_draft_runner(
             args, self.model_runner, self.tree, chains_in_tree_mode) if spec else None
         self.model_runner.capture_target_graphs(
-            _startup_shapes(spec, self.tree, chains_in_tree_mode),
+            config_shapes(spec, self.tree, chains_in_tree_mode),
             self.draft_runner.aux_layer_ids if self.draft_runner is not None else ())
         if self.draft_runner is not None:  # after the target's: it reads their outputs
             self.draft_runner.capture_first_forward(self.model_runner.graphs,
@@ -282,7 +281,8 @@ class LLMEngine:
                              stats, self.max_model_len, num_drafts, host.tree_paths)
         t5, w5 = runner.clock(), runner.work_clock()
         if policy is not None:  # step times on the work clock (ModelRunner.work_clock)
-            policy.observe(step_record(scheduled, batch, host, results, has_prefill, w5 - w0,
+            policy.observe(step_record(scheduled, batch.samples, batch.draft_parents is not None,
+                                       host, results, has_prefill, w5 - w0,
                                        num_drafts if drafts is not None else 0, w4 - w3,
                                        shape=shape))
         stats.add_step_times(bookkeeping=(t1 - t0) + (t5 - t4), target_verify=t2 - t1,
@@ -307,16 +307,13 @@ class LLMEngine:
 
         def observe(step, live, sampled, drafts, results, prefill: bool,
                     work: tuple[float, float]) -> None:
-            scheduled = [step.scheduled[i] for i in live]
-            samples = [step.batch.samples[i] for i in live]
-            view = _LiveRows(samples, step.batch.draft_parents)
             seconds, draft_seconds = work
-            record = step_record(scheduled, view, HostStep(sampled, drafts, None, None),
-                                 results, prefill, seconds,
-                                 step.num_drafts if drafts is not None else 0,
-                                 draft_seconds, shape=None)
             # timed at the size it ran: rows dropped after an unforeseen stop computed too
-            policy.observe(replace(record, batch_size=len(step.scheduled)))
+            policy.observe(step_record(
+                [step.scheduled[i] for i in live], [step.batch.samples[i] for i in live],
+                step.batch.draft_parents is not None, HostStep(sampled, drafts, None, None),
+                results, prefill, seconds, step.num_drafts if drafts is not None else 0,
+                draft_seconds, shape=None, batch_size=len(step.scheduled)))
 
         return Drafting(drafter.aux_layer_ids, lookahead, num_drafts, propose, observe)
 
@@ -376,13 +373,6 @@ class LLMEngine:
         return self.tree.depth if self.tree is not None else spec.num_speculative_tokens
 
 
-class _LiveRows:
-    """The parts of a StepBatch that ``step_record`` reads, for the rows still live."""
-
-    def __init__(self, samples: list[bool], draft_parents) -> None:
-        self.samples, self.draft_parents = samples, draft_parents
-
-
 def _async_scheduling(args: EngineArgs, runner: ModelRunner) -> bool:
     """EngineArgs.async_scheduling resolved: its value, or by default on a GPU at
     tensor-parallel size 1 for a target-only engine or a chain config (args.py refused True
@@ -392,20 +382,6 @@ def _async_scheduling(args: EngineArgs, runner: ModelRunner) -> bool:
     return runner.device != "cpu" and runner.executor is None \
         and async_speculation_error(args.speculative_config) is None
 
-
-def _startup_shapes(spec, tree, chains_in_tree_mode: bool) -> tuple:
-    """The uniform batch shapes this config's steps run (engine/target_graphs.py
-    ``startup_shapes``): decode; chains of 1..k drafts (in a tree config at most the
-    tree's depth, and only where its policy may draft chains: ``chains_in_tree_mode``); a
-    branching tree's full verification."""
-    if spec is None:
-        return startup_shapes(0)
-    k = spec.num_speculative_tokens
-    if tree is None:
-        return startup_shapes(k)
-    branching = tree.num_nodes > tree.depth
-    chains = min(k, tree.depth) if chains_in_tree_mode or not branching else 0
-    return startup_shapes(chains, tree.num_nodes if branching else None)
 
 
 def step_output(req: Request, new_tokens: list[int]) -> RequestOutput:

@@ -201,9 +201,9 @@ def continuation(scheduler: Scheduler, previous: LaunchedStep, max_model_len: in
         rows.append(ScheduledRequest(req, 1 + drafts, drafts))
         in_flight.append(InFlight(kept, row, verified))
         needs.append((req, computed + 1 + drafts))
+    going_on = {id(s.request) for s in rows}
     if (drafts or previous.batch.max_drafts) and any(
-            id(req) not in finishing and req not in [s.request for s in rows]
-            for req in scheduler.running):
+            id(req) not in finishing and id(req) not in going_on for req in scheduler.running):
         return None  # a request would be left out of the speculative batch
     budget = scheduler.config.max_num_batched_tokens - len(rows) * (1 + drafts)
     if budget < 0:
@@ -292,7 +292,8 @@ class DecodeOverlap:
         scheduled = [step.scheduled[i] for i in live]
         sampled = [rows[i][:width] for i in live]
         drafts = None if step.drafts is None else [rows[i][width:] for i in live]
-        prefill = has_prefill_tokens(scheduled)  # as the step was built (before the updates)
+        # as the step was built (before the updates): what the policy learns from
+        prefill = self.drafting is not None and has_prefill_tokens(scheduled)
         results = apply_step(scheduler, scheduled, [step.batch.samples[i] for i in live],
                              sampled, drafts, stats, self.max_model_len, step.num_drafts)
         seconds = dict(step.seconds)

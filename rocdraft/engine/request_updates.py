@@ -10,7 +10,6 @@ import torch
 
 from rocdraft.core.request import Request
 from rocdraft.core.scheduler import Scheduler, ScheduledRequest
-from rocdraft.core.step_batch import StepBatch
 from rocdraft.drafter.tree_index import host_depths
 from rocdraft.outputs import GenerationStats
 from rocdraft.sample.tree_sampler import TreeVerifyResult
@@ -132,22 +131,27 @@ def apply_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], samples:
     return results
 
 
-def step_record(scheduled: list[ScheduledRequest], batch: StepBatch, host: HostStep,
-                results: StepResults, has_prefill: bool, seconds: float, num_drafts: int,
-                draft_seconds: float, shape: str | None) -> StepRecord:
-    """What the policy learns from one step (rocdraft/spec_decode/policy.py): ``num_drafts``
-    per request the step made (0: none), ``draft_seconds`` of ``seconds`` spent drafting
-    (the head's first forward of a prompt step included)."""
+def step_record(scheduled: list[ScheduledRequest], samples: list[bool], verified_tree: bool,
+                host: HostStep, results: StepResults, has_prefill: bool, seconds: float,
+                num_drafts: int, draft_seconds: float, shape: str | None,
+                batch_size: int | None = None) -> StepRecord:
+    """What the policy learns from one step (rocdraft/spec_decode/policy.py) over its
+    requests ``scheduled`` (``samples``: ``StepBatch.samples`` of them; ``verified_tree``:
+    the step verified a tree): ``num_drafts`` per request the step made (0: none),
+    ``draft_seconds`` of ``seconds`` spent drafting (the head's first forward of a prompt
+    step included); ``batch_size``: the rows the step ran, when more than ``scheduled``
+    (an async step's rows dropped after an unforeseen stop, rocdraft/engine/overlap.py)."""
     return StepRecord(
-        batch_size=len(scheduled), has_prefill=has_prefill, seconds=seconds,
+        batch_size=len(scheduled) if batch_size is None else batch_size,
+        has_prefill=has_prefill, seconds=seconds,
         # Tokens counted before a stop or max_tokens cut them short (a request's last step
         # would otherwise make its mode look slow).
         produced=sum(sum(t >= 0 for t in row)
-                     for row, samples in zip(host.sampled, batch.samples) if samples),
+                     for row, sampled in zip(host.sampled, samples) if sampled),
         any_verified=any(s.num_draft_tokens for s in scheduled), drafted=num_drafts > 0,
         num_drafts=num_drafts, draft_seconds=draft_seconds,
-        shape=shape, verified_tree=batch.draft_parents is not None,
-        samples=batch.samples, chain_verified=results.chain_verified,
+        shape=shape, verified_tree=verified_tree,
+        samples=samples, chain_verified=results.chain_verified,
         chain_accepted=results.chain_accepted, tree_rows=results.tree_rows,
         tree_parents=host.tree_parents, tree_paths=host.tree_paths,
         chain_keys=results.chain_keys,

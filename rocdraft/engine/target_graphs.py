@@ -114,6 +114,21 @@ def startup_shapes(max_chain_drafts: int, tree_nodes: int | None = None
     return shapes
 
 
+def config_shapes(spec, tree, chains_in_tree_mode: bool) -> tuple[UniformShape, ...]:
+    """The uniform batch shapes the steps of a speculative config ``spec`` (None:
+    target-only) with draft tree ``tree`` run (``startup_shapes``): decode; chains of 1..k
+    drafts (in a tree config at most the tree's depth, and only where its policy may draft
+    chains: ``chains_in_tree_mode``); a branching tree's full verification."""
+    if spec is None:
+        return startup_shapes(0)
+    k = spec.num_speculative_tokens
+    if tree is None:
+        return startup_shapes(k)
+    branching = tree.num_nodes > tree.depth
+    chains = min(k, tree.depth) if chains_in_tree_mode or not branching else 0
+    return startup_shapes(chains, tree.num_nodes if branching else None)
+
+
 class TargetGraphRunner:
     def __init__(self, target, builder, kv_caches: list, buckets: tuple[int, ...],
                  max_query_len: int, max_seq_len: int, use_graphs: bool, pool=None) -> None:
@@ -151,7 +166,7 @@ class TargetGraphRunner:
         if q > self.max_query_len or any(s.num_new_tokens != q for s in scheduled):
             return None
         ahead = [0] * len(scheduled) if in_flight is None \
-            else [0 if e is None else InFlight(*e).kept + InFlight(*e).more for e in in_flight]
+            else [0 if entry is None else entry.kept + entry.more for entry in in_flight]
         if any(s.request.num_computed_tokens + extra + q > self.max_seq_len
                for s, extra in zip(scheduled, ahead)):
             return None
