@@ -413,10 +413,43 @@ def test_bench_compare_policies_builtin_pair_side_by_side(capsys, tmp_path):
         assert row["systems"]["fixed_2"]["drafts_share"] == {"0": 0.0, "1": 0.0, "2": 1.0}
         assert row["systems"]["fixed_1"]["drafts_share"] == {"0": 0.0, "1": 1.0}
         assert row["systems"]["fixed_1"]["acceptance_length"] > 1.0
+        verdict = row["policy_verdict"]
+        assert verdict["default"] == "cost" and verdict["best_fixed"] in ("fixed_1", "fixed_2")
+        best = row["tokens_per_s"][verdict["best_fixed"]]["median"]
+        assert verdict["vs_best_fixed"] == pytest.approx(
+            row["tokens_per_s"]["cost"]["median"] / best, abs=2e-3)
+        assert verdict["vs_best_fixed_held_out"] is None  # one repeat: nothing held out
+        assert all(len(runs) == 1 for runs in row["runs"].values())
     assert plot.stat().st_size > 1000
     capsys.readouterr()
     assert main(["bench", "--compare-policies", "--compare", "chain"]) != 0
     assert "give one of them" in capsys.readouterr().err
+
+
+def test_policy_verdict_holds_out_the_rounds_that_choose_the_best():
+    """Three fixed counts equally fast under noise: the best by medians is the luckiest one,
+    so the default (as fast as all of them) reads below it by medians; chosen on half the
+    rounds and judged on the other half, it reads about even."""
+    import random
+    import statistics
+
+    from rocdraft.bench.bench_report import policy_verdict
+
+    rng = random.Random(3)
+    rounds = 40
+    tps = {name: [100 * rng.gauss(1.0, 0.05) for _ in range(rounds)]
+           for name in ("cost", "fixed_1", "fixed_2", "fixed_3")}
+    verdict = policy_verdict(tps, "cost", ["fixed_1", "fixed_2", "fixed_3"])
+    assert "vs_target_only" not in verdict  # no target-only in this row
+    assert verdict["best_fixed"] == max(("fixed_1", "fixed_2", "fixed_3"),
+                                        key=lambda n: statistics.median(tps[n]))
+    assert verdict["vs_best_fixed"] < verdict["vs_best_fixed_held_out"]
+    assert abs(verdict["vs_best_fixed_held_out"] - 1.0) < 0.03
+    # one system alone decides nothing away: a default 10% slower reads 10% slower each way
+    slow = {**tps, "cost": [0.9 * v for v in tps["fixed_1"]]}
+    verdict = policy_verdict(slow, "cost", ["fixed_1"])
+    assert verdict["vs_best_fixed"] == verdict["vs_best_fixed_paired"] == \
+        verdict["vs_best_fixed_held_out"] == 0.9
 
 
 def test_policy_systems_for_chain_and_tree_configs():

@@ -351,7 +351,9 @@ def _run_bench(args) -> int:
         results.append(build_row(batch_size, len(prompts), tps, stats_sum,
                             identical if greedy else None,
                             outputs if greedy and hf is not None else None, compare is None,
-                            {n: llm.config.speculative.tree_kind for n, llm in spec_llms.items()}))
+                            {n: llm.config.speculative.tree_kind for n, llm in spec_llms.items()},
+                            {n: llm.config.speculative.draft_policy
+                             for n, llm in spec_llms.items()} if by_policy else None))
     policy_of = (lambda n: f" ({spec_llms[n].config.speculative.draft_policy})") \
         if by_policy else (lambda n: "")
     labels = {"target_only": SYSTEM_LABELS["target_only"],

@@ -3,6 +3,7 @@ batch size with each system's figures, the stats accumulated over repeats, the t
 for a terminal and the plot (``--plot``)."""
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -13,18 +14,82 @@ def spread(values: list[float]) -> dict:
             "max": round(max(values), 2)}
 
 
+def policy_verdict(tps: dict[str, list[float]], default: str, fixed: list[str]) -> dict:
+    """The default policy against the fixed configs of one ``--compare-policies`` row, three
+    ways (``tps[name][r]``: tokens per second of round r; every system runs once per round,
+    in rotated order, so rounds pair):
+
+    - ``vs_best_fixed``: the default's median over the best fixed config's, the best chosen
+      on the same medians (the issue's figure). With several fixed configs within noise of
+      each other, the largest of their medians overstates the best's speed (the winner's
+      curse: the max of 4 equal noisy medians sits about one standard error above them);
+    - ``vs_best_fixed_paired``: the median over rounds of default / best in each round (the
+      machine's drift within a run cancels where both ran back to back);
+    - ``vs_best_fixed_held_out`` (4 rounds or more): the best chosen on the even rounds'
+      medians and compared on the odd rounds', and the other way round; the geometric mean
+      of the two ratios. No round both chooses and judges, so noise cannot pick a winner that
+      then wins.
+
+    ``vs_target_only``: the default's median over target-only's (where it ran).
+
+    Two fixed configs that trade places round by round, each 118-118.5 by median:
+
+    >>> tps = {"target_only": [100.0] * 4, "cost": [118.0] * 4,
+    ...        "fixed_1": [121.0, 115, 119, 117], "fixed_2": [116.0, 124, 115, 121]}
+    >>> v = policy_verdict(tps, "cost", ["fixed_1", "fixed_2"])
+    >>> v["best_fixed"], v["vs_best_fixed"], v["vs_best_fixed_paired"]  # 118 / 118.5
+    ('fixed_2', 0.996, 0.996)
+    >>> # even rounds choose fixed_1 (120), odd ones judge: 118 / 116; odd choose fixed_2
+    >>> # (122.5), even judge: 118 / 115.5
+    >>> v["vs_best_fixed_held_out"], v["vs_target_only"]
+    (1.019, 1.18)
+    """
+    medians = {name: statistics.median(tps[name]) for name in (default, *fixed)}
+    best = max(fixed, key=lambda name: medians[name])
+    rounds = len(tps[default])
+    paired = statistics.median(a / b for a, b in zip(tps[default], tps[best]))
+    verdict = {"default": default, "best_fixed": best,
+               "vs_best_fixed": round(medians[default] / medians[best], 3),
+               "vs_best_fixed_paired": round(paired, 3), "vs_best_fixed_held_out": None}
+    if rounds >= 4:
+        halves = (range(0, rounds, 2), range(1, rounds, 2))
+
+        def median_of(name: str, rounds_of: range) -> float:
+            return statistics.median(tps[name][r] for r in rounds_of)
+
+        ratios = []
+        for choose, judge in (halves, halves[::-1]):
+            chosen = max(fixed, key=lambda name: median_of(name, choose))
+            ratios.append(median_of(default, judge) / median_of(chosen, judge))
+        verdict["vs_best_fixed_held_out"] = round(math.sqrt(ratios[0] * ratios[1]), 3)
+    if "target_only" in tps:
+        verdict["vs_target_only"] = round(
+            medians[default] / statistics.median(tps["target_only"]), 3)
+    return verdict
+
+
 def build_row(batch_size: int, num_prompts: int, tps: dict, stats_sum: dict,
-         identical: dict | None, outputs: dict | None, single: bool, kinds: dict) -> dict:
+         identical: dict | None, outputs: dict | None, single: bool, kinds: dict,
+         policies: dict | None = None) -> dict:
     """One batch size's figures. ``single`` (no --compare): the one speculative system's
-    figures also sit at the top level under the keys they always had."""
+    figures also sit at the top level under the keys they always had. ``policies``
+    (--compare-policies): system name -> its draft policy; the row then carries the
+    default's ``policy_verdict`` against the fixed ones."""
     medians = {name: statistics.median(values) for name, values in tps.items()}
     row = {"batch_size": batch_size, "num_prompts": num_prompts,
            "baseline_tokens_per_s": round(medians["target_only"], 2),
            "tokens_per_s": {name: spread(values) for name, values in tps.items()},
+           # per repeat, in the order run: rounds pair across systems
+           "runs": {name: [round(v, 2) for v in values] for name, values in tps.items()},
            "systems": {name: system_figures(medians[name] / medians["target_only"], stats,
                                              None if identical is None else identical[name],
                                              kinds[name])
                        for name, stats in stats_sum.items()}}
+    if policies:
+        default = [n for n, p in policies.items() if p == "cost"]
+        fixed = [n for n, p in policies.items() if p == "fixed"]
+        if len(default) == 1 and fixed:
+            row["policy_verdict"] = policy_verdict(tps, default[0], fixed)
     if single:
         spec = row["systems"]["speculative"]
         row["spec_tokens_per_s"] = round(medians["speculative"], 2)
@@ -144,6 +209,16 @@ def print_table(report: dict) -> None:
                      if "drafts_share" in f else "")
                   + "; time split: "
                   + ", ".join(f"{k} {v:.0%}" for k, v in f["time_split"].items()) + same)
+        if "policy_verdict" in r:
+            v = r["policy_verdict"]
+            held = v["vs_best_fixed_held_out"]
+            print(f"       {cfg['systems'][v['default']]} / the best fixed "
+                  f"({cfg['systems'][v['best_fixed']]}): {v['vs_best_fixed']:.3f} by "
+                  f"medians, {v['vs_best_fixed_paired']:.3f} paired per repeat"
+                  + (f", {held:.3f} with the best chosen on the other half of the repeats"
+                     if held is not None else "")
+                  + (f"; {v['vs_target_only']:.3f}x target-only"
+                     if "vs_target_only" in v else ""))
         if "hf_generate_mismatches" in r:
             print(f"       greedy outputs: target-only vs HF generate: "
                   f"{r['hf_generate_mismatches']} of {r['num_prompts']} prompts differ")
