@@ -45,6 +45,9 @@ from rocdraft.spec_decode.realized_times import (RealizedStepTimes, best_num_dra
 from rocdraft.spec_decode.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
 
 
+SURE_SCALE = 2.0  # standard errors off 1 a lone request's scale must read to be used
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """What one engine step did, as the policy's estimates need it.
@@ -125,7 +128,8 @@ class DraftPolicy:
     def num_drafts(self, batch_size: int, outlook: BatchOutlook | None = None) -> int:
         """Drafts per request to make now (verified next step): the cap, or with
         ``draft_policy="cost"`` the count maximising expected tokens per second, or with an
-        ``outlook`` (the batch is all the work left) the count finishing the batch soonest.
+        ``outlook`` (the batch is all the work left) and 2 or more requests the count finishing
+        the batch soonest.
         0: the drafter is skipped unless a prompt is in the step. A tree config: its node
         count."""
         if self.tree is not None:  # the tree's own shape (and batch budget) decide
@@ -140,7 +144,8 @@ class DraftPolicy:
         timer = self.realized_times if self.realized_times is not None else self.given_times
         times = self._step_times(batch_size, costs, cap)
         fewest = 0  # the fewest drafts the decision may make
-        if outlook is not None and min(outlook.remaining) > 0:
+        if outlook is not None and min(outlook.remaining) > 0 \
+                and (batch_size > 1 or self._scale_is_sure(outlook.keys[0])):
             # T(1, d): these times moved to one request by the prior's shape (bucket 1's
             # own estimates have few samples where a batch of 8 only passes through)
             at_size, at_one = (prior_times(costs, b, cap) for b in (batch_size, 1))
@@ -163,6 +168,19 @@ class DraftPolicy:
                     and best_num_drafts(finish(STOP_OPTIMISM), rates) > 0:
                 fewest = 1
         return timer.decide(batch_size, times, self.acceptance.rates, fewest)
+
+    def _scale_is_sure(self, key) -> bool:
+        """Whether a request alone in its batch reads an acceptance scale SURE_SCALE standard
+        errors off 1. A batch of one decides per step on the running rates where it does
+        not: they are mostly that request's own (it alone feeds them now), and a scale near
+        1 on top only adds noise, compounded per position (in-process A/Bs at bs 1 against
+        fixed 3, three runs: with the scale always 0.958-0.988x and d = 1 on 16% of steps,
+        without it 0.970-1.007x and 6%; docs/draft-policy.md, seventh session). A request
+        the rates do not describe (one the head cannot draft for, left alone at the end of
+        a batch of good ones) reads far off 1 and keeps the outlook."""
+        pooled = self.acceptance.pooled_rate
+        scale = self.request_acceptance.scale
+        return not scale(key, pooled, -SURE_SCALE) <= 1.0 <= scale(key, pooled, SURE_SCALE)
 
     def _step_times(self, batch_size: int, costs: StepCosts, cap: int) -> list[float]:
         """T(0..cap) at ``batch_size``: realized (rocdraft/spec_decode/realized_times.py), or
