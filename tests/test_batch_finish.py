@@ -260,6 +260,44 @@ def test_the_outlook_stops_drafting_only_on_scales_it_can_trust():
         assert policy.num_drafts(8, outlook) == drafts, (steps, plain, hopeful)
 
 
+def test_a_request_alone_reads_its_scale_only_where_it_is_sure():
+    """A batch of one: 30 steps of a request "a" accepting both drafts of every step, then a
+    request "b" alone. Where b's scale is within SURE_SCALE standard errors of 1 (10 steps
+    accepting the first draft, not the second: 0.77, up to 1.03) the policy decides per step
+    (d = 2), where the outlook on that scale alone would draft 1; where it is sure (15 steps
+    rejecting every draft: 0.43, at most 0.77) the outlook stops drafting for it, though the
+    running rates, mostly a's, still say d = 2 per step."""
+    from rocdraft.spec_decode.policy import SURE_SCALE
+
+    def policy_after(steps: int, accepted: int) -> DraftPolicy:
+        policy = cost_policy()
+        for _ in range(2 * (K + 1)):  # past bucket 1's sweep
+            policy.num_drafts(1)
+        verify_s, draft_s = step_seconds(1, 2, 2)
+        for key, count, accepts in (("a", 30, 2), ("b", steps, accepted)):
+            for _ in range(count):
+                policy.observe(StepRecord(
+                    batch_size=1, has_prefill=False, seconds=verify_s + draft_s,
+                    produced=accepts + 1, any_verified=True, drafted=True, shape=None,
+                    verified_tree=False, samples=[True], chain_verified=[2],
+                    chain_accepted=[accepts], chain_keys=[key], num_drafts=2,
+                    draft_seconds=draft_s, finished_keys=[key] if count == 30 else []))
+        return policy
+
+    outlook = BatchOutlook(("b",), (40,))
+    for steps, accepted, sure, with_outlook in ((10, 1, False, 1), (15, 0, True, 0)):
+        policy = policy_after(steps, accepted)
+        pooled = policy.acceptance.pooled_rate
+        scale = policy.request_acceptance.scale
+        assert (scale("b", pooled, SURE_SCALE) < 1.0) is sure, scale("b", pooled, SURE_SCALE)
+        assert policy_after(steps, accepted).num_drafts(1) == 2  # per step
+        assert policy.num_drafts(1, outlook) == (2 if not sure else with_outlook)
+        # the outlook on the scale alone, the rule aside
+        policy = policy_after(steps, accepted)
+        policy._scale_is_sure = lambda key: True
+        assert policy.num_drafts(1, outlook) == with_outlook
+
+
 def test_policy_observe_keeps_each_requests_acceptance_until_it_finishes():
     policy = cost_policy()
     assert policy.wants_outlook
