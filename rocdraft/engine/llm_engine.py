@@ -383,7 +383,6 @@ def _async_scheduling(args: EngineArgs, runner: ModelRunner) -> bool:
         and async_speculation_error(args.speculative_config) is None
 
 
-
 def step_output(req: Request, new_tokens: list[int]) -> RequestOutput:
     """One step's output of ``req`` (no text: a server decodes incrementally). The prompt
     list is shared, not copied."""

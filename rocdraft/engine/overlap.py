@@ -77,7 +77,7 @@ class LaunchedStep:
     seconds: dict  # the phases' host seconds: bookkeeping, target_verify, sampler, draft
     drafts: torch.Tensor | None = None  # [B, num_drafts] int64: the next step's drafts
     num_drafts: int = 0  # drafts per request the step made (0: none)
-    marks: "WorkMarks | None" = None  # its start, drafting's start and end (the policy's)
+    marks: WorkMarks | None = None  # its start, drafting's start and end (the policy's)
 
 
 class WorkMarks:
@@ -192,7 +192,7 @@ def continuation(scheduler: Scheduler, previous: LaunchedStep, max_model_len: in
             continue
         if (verified or drafts) and (
                 req.num_tokens + 1 + verified + 1 + drafts + lookahead > max_model_len
-                or req.params.seed is not None or getattr(req, "images", None) is not None):
+                or req.params.seed is not None or req.images is not None):
             # speculative: the positions of keeping every draft and the next drafts must
             # fit the model; a seeded row's noise follows its output length and M-RoPE
             # positions its image, both known on the host only
@@ -245,8 +245,9 @@ class DecodeOverlap:
     def _launch(self, scheduled: list[ScheduledRequest], in_flight, previous
                 ) -> LaunchedStep:
         runner, drafting = self.runner, self.drafting
-        marks = None if drafting is None else WorkMarks(runner)
-        if marks is not None:
+        marks = None
+        if drafting is not None:
+            marks = WorkMarks(runner)
             marks.mark()
         t0 = runner.clock()
         batch = runner.build_batch(scheduled, in_flight)
