@@ -37,7 +37,7 @@ def test_docstring_worked_example():
     assert best_num_drafts(t, [0.8, 0.8]) == 2
     at_three = RealizedStepTimes(2)  # the same samples at B = 3: kept at bucket 4's size
     at_three.record(3, 2, 2, 0.012, 0.004, prior)
-    assert at_three.buckets[4].verify[2][0] == pytest.approx(0.012 * 22 / 19)
+    assert at_three.buckets[4].verify[2][0].seconds == pytest.approx(0.012 * 22 / 19)
     assert at_three.step_times(3, prior, 2)[2] == pytest.approx(0.016)
 
 
@@ -239,6 +239,39 @@ def test_policy_is_within_3_percent_of_the_best_fixed_count_in_hindsight(
     rate, shares = run_policy(machine, alpha, steps, batch_size, 7, prior)
     best, best_rate = best_fixed(machine, alpha, steps, batch_size, 7)
     assert rate >= 0.97 * best_rate, (rate / best_rate, best, dict(shares))
+
+
+class SlowSpells(Machine):
+    """The machine with the host's slow spells: every ``period`` steps, ``length`` steps
+    run ``factor`` times slower (both parts; another process, a shared VM)."""
+
+    def __init__(self, period: int, length: int, factor: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.period, self.length, self.factor, self.step = period, length, factor, 0
+
+    def parts(self, batch_size: int, verified: int, drafted: int, rng: random.Random):
+        verify, draft = super().parts(batch_size, verified, drafted, rng)
+        slow = self.factor if self.step % self.period < self.length else 1.0
+        self.step += 1
+        return verify * slow, draft * slow
+
+
+@pytest.mark.parametrize("stream", list(STREAMS))
+def test_slow_spells_of_the_host_do_not_stick_to_the_counts_drafted_in_them(stream):
+    """40 steps in every 300 run 1.5x slow. A count probed (or drafted) in a spell kept the
+    spell's samples until its next probe, tens to hundreds of steps on. Mean of 4 seeds,
+    against the best fixed count: with the samples re-levelled to the host's speed now
+    (rocdraft/spec_decode/host_level.py) 0.981, 0.982, 1.052 and 0.985 on these streams;
+    as taken 0.979, 0.968 (stationary 0.5 fails), 1.042 and 0.979 (the module before the
+    level, without REFRESH either: 0.973, 0.969, 1.054, 0.970)."""
+    alpha, steps, ratios = STREAMS[stream], 3000, []
+    for seed in range(4):
+        rate, _ = run_policy(SlowSpells(300, 40, 1.5, noise=0.1), alpha, steps, 1, seed,
+                             TRUE_PRIOR)
+        fixed = [simulate(lambda _, d=d: d, SlowSpells(300, 40, 1.5, noise=0.1), alpha, steps,
+                          1, seed)[0] for d in range(K + 1)]
+        ratios.append(rate / max(fixed))
+    assert sum(ratios) / len(ratios) >= 0.975, ratios
 
 
 def rate_of(trace: list) -> float:

@@ -141,16 +141,23 @@ class AcceptanceTracker:
         self.prior = prior
         self.accepted = [0.0] * num_positions
         self.verified = [0.0] * num_positions
+        self._rates: list[float] | None = None  # ``rates``, until the next update
 
     def update(self, num_drafts: list[int], num_accepted: list[int]) -> None:
         """One step's verifications: per request, drafts verified and how many were accepted."""
         keep = 1.0 - RATE_DECAY
-        for j in range(len(self.accepted)):
-            # Position j (0-based) is verified when d > j and the first j drafts were accepted.
-            verified = sum(1 for d, a in zip(num_drafts, num_accepted) if d > j and a >= j)
-            accepted = sum(1 for d, a in zip(num_drafts, num_accepted) if d > j and a > j)
-            self.accepted[j] = keep * self.accepted[j] + accepted
-            self.verified[j] = keep * self.verified[j] + verified
+        self._rates = None
+        accepted, verified = self.accepted, self.verified
+        for j in range(len(accepted)):
+            accepted[j] *= keep
+            verified[j] *= keep
+        for d, a in zip(num_drafts, num_accepted):
+            # Position j (0-based) is verified when d > j and the first j drafts were
+            # accepted (j <= a), and accepted when j < a.
+            for j in range(min(d, a + 1, len(accepted))):
+                verified[j] += 1
+                if j < a:
+                    accepted[j] += 1
 
     @property
     def pooled_rate(self) -> float:
@@ -161,8 +168,12 @@ class AcceptanceTracker:
 
     @property
     def rates(self) -> list[float]:
-        return [(a + PRIOR_WEIGHT * self.prior) / (v + PRIOR_WEIGHT)
-                for a, v in zip(self.accepted, self.verified)]
+        """Per position: (decayed accepted + PRIOR_WEIGHT x prior) / (decayed verified +
+        PRIOR_WEIGHT). A new list each time (callers may keep it)."""
+        if self._rates is None:
+            self._rates = [(a + PRIOR_WEIGHT * self.prior) / (v + PRIOR_WEIGHT)
+                           for a, v in zip(self.accepted, self.verified)]
+        return list(self._rates)
 
 
 def batch_bucket(batch_size: int) -> int:

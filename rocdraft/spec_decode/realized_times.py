@@ -69,8 +69,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rocdraft.spec_decode.cost_model import StepCosts, batch_bucket, expected_tokens
+from rocdraft.spec_decode.host_level import (RecentCounts, Sample, leveled, reference,
+                                            robust_mean)
 
 RECENT = 8  # samples kept per entry
+REFRESH = 4  # samples of a bucket its step-time table is kept for (a new count's: none)
 PROBE_BUDGET = 0.0025  # share of throughput one other count's probes may cost
 MIN_PROBE_INTERVAL = 32  # policy steps between probes of one count, at least
 
@@ -86,11 +89,27 @@ def best_num_drafts(step_times: list[float], rates: list[float], min_drafts: int
     0
     """
     best, best_rate = min_drafts, 0.0
-    for d, seconds in enumerate(step_times[min_drafts:], start=min_drafts):
-        rate = expected_tokens(rates, d) / seconds
+    for d, tokens in enumerate(expected_all(rates, len(step_times))):
+        if d < min_drafts:
+            continue
+        rate = tokens / step_times[d]
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = d, rate
     return best
+
+
+def expected_all(rates: list[float], counts: int) -> list[float]:
+    """E(0), ..., E(counts - 1) (``expected_tokens``) in one pass.
+
+    >>> [round(e, 2) for e in expected_all([0.8, 0.8], 3)]
+    [1.0, 1.8, 2.44]
+    """
+    out, total, survive = [1.0], 1.0, 1.0
+    for alpha in rates[:counts - 1]:
+        survive *= alpha
+        total += survive
+        out.append(total)
+    return out
 
 
 def prior_times(costs: StepCosts, batch_size: int, max_drafts: int
@@ -136,30 +155,17 @@ def rescale(seconds: float, prior_to: float, prior_from: float) -> float:
     return seconds * prior_to / prior_from if prior_to > 0 and prior_from > 0 else seconds
 
 
-def robust_mean(samples) -> float:
-    """The mean without the slowest sample once there are 2 (a step slowed by something
-    else, a garbage collection or another process, is one-sided noise; so is the first step
-    of a new shape: oneDNN makes its kernels for a new row count on first use, measured
-    0.3-0.4 ms per weight shape on the built-in pair, 1-2 ms per step, and the sweep's first
-    sample of each count is such a step).
-
-    >>> robust_mean([2.0, 9.0, 4.0]), robust_mean([2.0, 4.0]), robust_mean([5.0])
-    (3.0, 2.0, 5.0)
-    """
-    values = sorted(samples)
-    if len(values) >= 2:
-        values = values[:-1]
-    return sum(values) / len(values)
-
-
 @dataclass
 class _Bucket:
     steps: int = 0  # policy decisions taken in this bucket
     last: dict = field(default_factory=dict)  # d -> the policy step that last drafted it
-    samples: int = 0  # steps recorded (the kept step times' version)
-    step_times: dict = field(default_factory=dict)  # (B, prior, max d) -> (samples, times)
-    verify: dict = field(default_factory=dict)  # v -> deque of seconds at the bucket's size
-    draft: dict = field(default_factory=dict)  # d -> deque of seconds at the bucket's size
+    samples: int = 0  # steps recorded
+    version: int = 0  # the kept step times' (``step_times``): moves every REFRESH samples
+    step_times: dict = field(default_factory=dict)  # (B, prior, max d) -> (version, times)
+    verify: dict = field(default_factory=dict)  # v -> deque of Samples at the bucket's size
+    draft: dict = field(default_factory=dict)  # d -> deque of Samples at the bucket's size
+    # the verified counts of the last WINDOW samples (the main count, host_level.py)
+    recent: RecentCounts = field(default_factory=RecentCounts)
 
 
 class RealizedStepTimes:
@@ -174,7 +180,10 @@ class RealizedStepTimes:
         self.buckets: dict[int, _Bucket] = {}
 
     def _bucket(self, batch_size: int) -> _Bucket:
-        return self.buckets.setdefault(batch_bucket(batch_size), _Bucket())
+        bucket = self.buckets.get(batch_bucket(batch_size))
+        if bucket is None:  # (not setdefault: a _Bucket is built only when new)
+            bucket = self.buckets[batch_bucket(batch_size)] = _Bucket()
+        return bucket
 
     def record(self, batch_size: int, verified: int | None, drafted: int,
                verify_seconds: float, draft_seconds: float, prior: StepCosts) -> None:
@@ -186,28 +195,44 @@ class RealizedStepTimes:
         counts = max(verified or 0, drafted)
         at_bucket = _prior_times(prior, batch_bucket(batch_size), counts)
         here = _prior_times(prior, batch_size, counts)
+        # the level when taken: the main count's samples so far (rocdraft/spec_decode/
+        # host_level.py)
+        ref = reference(bucket.verify, bucket.recent.main())
+        new_count = False  # an entry's first or second sample: the table is out of date now
         if verified is not None and verify_seconds > 0:
-            bucket.verify.setdefault(verified, deque(maxlen=RECENT)).append(
-                rescale(verify_seconds, at_bucket[0][verified], here[0][verified]))
+            kept = bucket.verify.setdefault(verified, deque(maxlen=RECENT))
+            kept.append(Sample(
+                rescale(verify_seconds, at_bucket[0][verified], here[0][verified]), *ref))
+            bucket.recent.add(verified)
+            new_count = len(kept) <= 2
         if draft_seconds > 0:
-            bucket.draft.setdefault(drafted, deque(maxlen=RECENT)).append(
-                rescale(draft_seconds, at_bucket[1][drafted], here[1][drafted]))
+            kept = bucket.draft.setdefault(drafted, deque(maxlen=RECENT))
+            kept.append(Sample(
+                rescale(draft_seconds, at_bucket[1][drafted], here[1][drafted]), *ref))
+            new_count = new_count or len(kept) <= 2
+        if new_count or bucket.samples % REFRESH == 0:
+            bucket.version += 1
 
     def step_times(self, batch_size: int, prior: StepCosts, max_drafts: int) -> list[float]:
         """T(0..max_drafts) in seconds at this batch size: realized (calibrated prior where
         unmeasured) at the bucket's size, moved to this size by the prior's shape. Kept
-        until the bucket's next sample."""
+        for REFRESH samples of the bucket, or until a count gets its first or second: each
+        entry is a mean of up to RECENT samples, and computing the table every step cost
+        the built-in pair 1-2% of its bs 1 throughput (the policy's own time, 0.1-0.2 ms
+        a step of 7-8 ms)."""
         bucket = self._bucket(batch_size)
         key = (batch_size, prior, max_drafts)
         kept = bucket.step_times.get(key)
-        if kept is not None and kept[0] == bucket.samples:
+        if kept is not None and kept[0] == bucket.version:
             return list(kept[1])
         verify, draft = _prior_times(prior, batch_bucket(batch_size), max_drafts)
         verify_here, draft_here = _prior_times(prior, batch_size, max_drafts)
+        main, main_mean = reference(bucket.verify, bucket.recent.main())
         times = [rescale(v, vh, vb) + rescale(d, dh, db) for v, d, vb, db, vh, dh in zip(
-            calibrated(bucket.verify, verify), calibrated(bucket.draft, draft),
+            calibrated(leveled(bucket.verify, main, main_mean), verify),
+            calibrated(leveled(bucket.draft, main, main_mean), draft),
             verify, draft, verify_here, draft_here)]
-        bucket.step_times[key] = (bucket.samples, tuple(times))
+        bucket.step_times[key] = (bucket.version, tuple(times))
         return times
 
     def decide(self, batch_size: int, step_times: list[float], rates: list[float],
@@ -250,8 +275,8 @@ def probe_cost(step_times: list[float], rates: list[float], best: int, d: int) -
     >>> round(probe_cost([10.0, 12.0, 14.0], [0.8, 0.8], 2, 0), 3)  # 10/14 - 1/2.44
     0.304
     """
-    return max(step_times[d] / step_times[best]
-               - expected_tokens(rates, d) / expected_tokens(rates, best), 0.0)
+    expected = expected_all(rates, len(step_times))
+    return max(step_times[d] / step_times[best] - expected[d] / expected[best], 0.0)
 
 
 def due_probe(step_times: list[float], rates: list[float], best: int, since: dict[int, int],
@@ -266,7 +291,13 @@ def due_probe(step_times: list[float], rates: list[float], best: int, since: dic
     >>> due_probe([10.0, 12.0, 14.0], [0.8, 0.8], 2, {0: 100, 1: 40, 2: 0}) is None
     True
     """
-    costs = {d: probe_cost(step_times, rates, best, d)
-             for d in range(min_drafts, len(step_times)) if d != best}
+    # a count drafted fewer than MIN_PROBE_INTERVAL steps ago is not due, whatever it costs
+    waiting = [d for d in range(min_drafts, len(step_times))
+               if d != best and since[d] >= MIN_PROBE_INTERVAL]
+    if not waiting:
+        return None
+    expected = expected_all(rates, len(step_times))
+    costs = {d: max(step_times[d] / step_times[best] - expected[d] / expected[best], 0.0)
+             for d in waiting}
     due = [d for d, cost in costs.items() if since[d] >= probe_interval(cost)]
     return min(due, key=lambda d: (costs[d], d)) if due else None
