@@ -137,6 +137,10 @@ class DraftPolicy:
         cap = self.drafts_per_request(batch_size)
         if self.spec.draft_policy == "fixed" or cap == 0:
             return cap
+        if outlook is not None:
+            cap = min(cap, useful_drafts(outlook))
+            if cap == 0:
+                return 0
         costs = self._costs_for(batch_size)
         if costs is None:  # nothing measured yet (a step run outside generate): the cap
             return cap
@@ -341,6 +345,20 @@ class DraftPolicy:
                 self.shape_chooser.record(step.batch_size, step.shape, step.seconds,
                                           step.produced, chain_tokens)
             self.drafted_shape = step.shape
+
+
+def useful_drafts(outlook: BatchOutlook) -> int:
+    """The most drafts per request that can still yield a token: this step samples at least
+    one token of each request, and the next step, which verifies the drafts made now, at
+    most its drafts + 1, so a request with r tokens left (before this step's) has use for
+    r - 2. Drafts past that cost their step time for nothing (a lone request decided per
+    step drafted k on its last step: 1 of about 20 steps per 64-token request on the
+    built-in pair).
+
+    >>> useful_drafts(BatchOutlook(("a", "b"), (3, 9))), useful_drafts(BatchOutlook(("a",), (1,)))
+    (7, 0)
+    """
+    return max(max(outlook.remaining) - 2, 0)
 
 
 def verified_per_request(step: StepRecord) -> int | None:
