@@ -38,7 +38,7 @@ from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
 from rocdraft.spec_decode.batch_finish import (STOP_OPTIMISM, BatchOutlook,
                                                RequestAcceptance, finish_step_times)
 from rocdraft.spec_decode.cost_model import (EXPLORE_EVERY, AcceptanceTracker, StepCosts,
-                                             batch_bucket)
+                                             batch_bucket, expected_tokens)
 from rocdraft.spec_decode.draft_shape import DraftShapeChooser, chain_on_tree_step
 from rocdraft.spec_decode.realized_times import (RealizedStepTimes, best_num_drafts,
                                                  prior_times, rescale)
@@ -113,6 +113,7 @@ class DraftPolicy:
         self.chain_times = RealizedStepTimes(self._chain_cap(), min_drafts=1) \
             if self.shape_chooser is not None else None
         self.drafted_shape: str | None = None  # what the last step drafted
+        self.drafted_last = 0  # a chain config's cost policy: its last decision's drafts
         self.chain_drafts = 0  # drafts per request of the chain drafted last in tree mode
 
     # --- what the engine asks before drafting ----------------------------------------------
@@ -140,6 +141,7 @@ class DraftPolicy:
         if outlook is not None:
             cap = min(cap, useful_drafts(outlook))
             if cap == 0:
+                self.drafted_last = 0
                 return 0
         costs = self._costs_for(batch_size)
         if costs is None:  # nothing measured yet (a step run outside generate): the cap
@@ -156,13 +158,16 @@ class DraftPolicy:
             pooled = self.acceptance.pooled_rate
             one = [rescale(t, v1 + d1, vb + db) for t, vb, db, v1, d1
                    in zip(times, *at_size, *at_one)]
-            per_step, rates, remaining = times, self.acceptance.rates, list(outlook.remaining)
+            per_step, rates = times, self.acceptance.rates
+            scales = [self.request_acceptance.scale(key, pooled) for key in outlook.keys]
+            remaining = left_after_this_step(outlook.remaining, scales, rates,
+                                             self.drafted_last)
 
             def finish(optimism: float) -> list[float]:
                 return finish_step_times(
                     per_step, one, batch_size, rates, remaining,
                     [self.request_acceptance.scale(key, pooled, optimism)
-                     for key in outlook.keys])
+                     for key in outlook.keys] if optimism else scales)
 
             times = finish(0.0)
             # d = 0 stops drafting on the outlook only when it wins on hopeful scales too
@@ -171,7 +176,8 @@ class DraftPolicy:
             if best_num_drafts(per_step, rates) > 0 and best_num_drafts(times, rates) == 0 \
                     and best_num_drafts(finish(STOP_OPTIMISM), rates) > 0:
                 fewest = 1
-        return timer.decide(batch_size, times, self.acceptance.rates, fewest)
+        self.drafted_last = timer.decide(batch_size, times, self.acceptance.rates, fewest)
+        return self.drafted_last
 
     def _scale_is_sure(self, key) -> bool:
         """Whether a request alone in its batch reads an acceptance scale SURE_SCALE standard
@@ -345,6 +351,26 @@ class DraftPolicy:
                 self.shape_chooser.record(step.batch_size, step.shape, step.seconds,
                                           step.produced, chain_tokens)
             self.drafted_shape = step.shape
+
+
+def left_after_this_step(remaining, scales: list[float], rates: list[float],
+                         verified: int) -> list[float]:
+    """Per request, the tokens it is expected to have left once this step's are counted
+    (this step verifies ``verified`` drafts per request, and its tokens are not yet on the
+    host when the next step's drafts are decided): r_i - m_i(verified) at its own scale,
+    at least 1.
+
+    >>> left_after_this_step((10, 3), [1.0, 0.5], [0.8, 0.8], 2)  # m = 2.44 and 1.56
+    [7.56, 1.44]
+    """
+    means: dict[float, float] = {}
+    out = []
+    for r, rho in zip(remaining, scales):
+        m = means.get(rho)
+        if m is None:
+            m = means[rho] = expected_tokens([min(rho * a, 1.0) for a in rates], verified)
+        out.append(max(r - m, 1.0))
+    return out
 
 
 def useful_drafts(outlook: BatchOutlook) -> int:
