@@ -223,7 +223,7 @@ def cyclic_pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("draft_costs, drafts_verified", [
-    ((1.0, 0.0, 0.0, 0.0, 0.0), "all"),  # verification and drafts free: always k
+    ((1.0, 0.0, 0.0, 0.0, 0.0), "all"),  # verification and drafts free: k
     ((1e-3, 1.0, 0.0, 1.0, 1.0), "none"),  # every extra token costs a full step: never
     (None, "any"),  # measured at start-up
 ])
@@ -236,8 +236,10 @@ def test_draft_policy_keeps_greedy_outputs_identical_to_target_only(cyclic_pair,
     llm = LLM(target, draft=head, speculative_config=spec)
     assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
     proposed = llm.last_stats.proposed_at_position
-    if drafts_verified == "all":
-        assert proposed[2] == llm.last_stats.num_verify_steps > 0
+    if drafts_verified == "all":  # k on every step but a request's last ones, where
+        # fewer drafts can still yield tokens (rocdraft/spec_decode/policy.py useful_drafts)
+        assert proposed[0] == llm.last_stats.num_verify_steps > 0
+        assert proposed[2] >= 0.75 * llm.last_stats.num_verify_steps
     elif drafts_verified == "none":
         assert llm.last_stats.num_verify_steps == 0
     else:

@@ -311,8 +311,8 @@ def test_async_speculative_steps_under_the_cost_policy(pair):
     assert realized.buckets and all(bucket.steps > 0 for bucket in realized.buckets.values())
     for bucket in realized.buckets.values():
         drafted = {d for d, samples in bucket.draft.items() if samples}
-        assert drafted and all(s > 0 for d in drafted for s in bucket.draft[d])
-        assert all(s > 0 for samples in bucket.verify.values() for s in samples)
+        assert drafted and all(s.seconds > 0 for d in drafted for s in bucket.draft[d])
+        assert all(s.seconds > 0 for samples in bucket.verify.values() for s in samples)
 
 
 def test_async_speculative_steps_with_joins_aborts_and_preemption(pair):

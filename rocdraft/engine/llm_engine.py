@@ -63,6 +63,8 @@ class LLMEngine:
         head_specs = [head_cache_spec(args.head_dir, spec.method)] if spec else []
         self.model_runner = ModelRunner(args, head_specs, lookahead, self.tree)
         self.policy = DraftPolicy(spec, self.tree) if spec else None
+        if self.policy is not None:  # folded a few steps at a time (DraftPolicy.observe);
+            self.policy.defer_observations = True  # all of them once the work is done
         # A tree config whose policy may draft chains (its tree-or-chain chooser).
         chains_in_tree_mode = self.policy is not None and self.policy.shape_chooser is not None
         self.draft_runner = load_draft_runner(
@@ -256,7 +258,10 @@ class LLMEngine:
         if drafter is not None and not scheduler.running:
             self._ensure_step_costs(scheduler)
         if self.overlap is not None:
-            return self.overlap.step(scheduler, stats)
+            advanced = self.overlap.step(scheduler, stats)
+            if policy is not None and not scheduler.has_unfinished:
+                policy.flush()
+            return advanced
         t0, w0 = runner.clock(), runner.work_clock()
         scheduled = scheduler.schedule()
         batch = runner.build_batch(scheduled)
@@ -287,6 +292,8 @@ class LLMEngine:
                                        shape=shape))
         stats.add_step_times(bookkeeping=(t1 - t0) + (t5 - t4), target_verify=t2 - t1,
                              sampler=t3 - t2, draft=t4 - t3)
+        if policy is not None and not scheduler.has_unfinished:
+            policy.flush()
         return results.advanced
 
     def _drafting(self, lookahead: int) -> Drafting:

@@ -178,6 +178,7 @@ class RealizedStepTimes:
         of a tree config, whose drafter always runs: rocdraft/spec_decode/draft_shape.py)."""
         self.max_drafts, self.sweep, self.min_drafts = max_drafts, sweep, min_drafts
         self.buckets: dict[int, _Bucket] = {}
+        self.probed = False  # the last decision was the sweep's or a probe
 
     def _bucket(self, batch_size: int) -> _Bucket:
         bucket = self.buckets.get(batch_bucket(batch_size))
@@ -244,6 +245,7 @@ class RealizedStepTimes:
         i = bucket.steps
         bucket.steps += 1
         counts = len(step_times) - self.min_drafts
+        self.probed = True  # the sweep, or a probe: not the best count (``repeat``)
         if self.sweep and i < 2 * counts:  # the sweep: k, k, k - 1, ..., min, min
             choice = len(step_times) - 1 - i // 2
         else:
@@ -253,8 +255,22 @@ class RealizedStepTimes:
                      for d in range(fewest, len(step_times))}
             probe = due_probe(step_times, rates, best, since, fewest)
             choice = best if probe is None else probe
+            self.probed = probe is not None
         bucket.last[choice] = i
         return choice
+
+    def in_sweep(self, batch_size: int, max_drafts: int) -> bool:
+        """Whether this bucket's next decision is still one of the sweep's."""
+        return self.sweep and self._bucket(batch_size).steps \
+            < 2 * (max_drafts + 1 - self.min_drafts)
+
+    def repeat(self, batch_size: int, choice: int) -> None:
+        """A policy step that drafts ``choice`` again without deciding (DraftPolicy's
+        DECIDE_EVERY): counted as ``decide`` counts its steps, so probes stay as many steps
+        apart."""
+        bucket = self._bucket(batch_size)
+        bucket.last[choice] = bucket.steps
+        bucket.steps += 1
 
 
 def probe_interval(cost: float) -> int:
