@@ -461,8 +461,8 @@ def test_cost_policy_with_given_costs_follows_acceptance_as_it_drifts(accepting_
     chosen, useless = [], range(40, 200)  # policy steps whose drafts are wrong
     num_drafts, propose = llm.policy.num_drafts, llm.draft_runner.propose_chain
 
-    def recording(batch_size, outlook=None):
-        chosen.append(num_drafts(batch_size, outlook))
+    def recording(batch_size, outlook=None, prefill=False):
+        chosen.append(num_drafts(batch_size, outlook, prefill))
         return chosen[-1]
 
     def maybe_wrong(*args, **kwargs):
@@ -494,9 +494,9 @@ def test_the_cost_policy_reads_the_batch_outlook_when_the_batch_is_all_the_work(
         "eagle3", 3, draft_costs=(1.0, 0.1, 0.0, 0.0, 0.1)))
     seen, num_drafts = [], llm.policy.num_drafts
 
-    def recording(batch_size, outlook=None):
+    def recording(batch_size, outlook=None, prefill=False):
         seen.append((batch_size, outlook))
-        return num_drafts(batch_size, outlook)
+        return num_drafts(batch_size, outlook, prefill)
 
     llm.policy.num_drafts = recording
     assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, params)] == reference

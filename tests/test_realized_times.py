@@ -144,6 +144,19 @@ def test_min_drafts_bounds_the_sweep_the_choice_and_the_probes():
     assert times.decide(1, plain_fastest, [0.5] * K) == 0
 
 
+def test_a_step_with_prompt_tokens_never_probes():
+    """A prefill step is no time sample, so its decision is the best count, never a probe
+    (``probe=False``; DraftPolicy passes it for steps with prompt tokens)."""
+    step_times, rates = [0.010, 0.011, 0.012, 0.013, 0.014], [0.8] * K
+    best = best_num_drafts(step_times, rates)
+    probing, plain = RealizedStepTimes(K), RealizedStepTimes(K)
+    with_probes = [probing.decide(1, step_times, rates) for _ in range(300)]
+    without = [plain.decide(1, step_times, rates, probe=plain.buckets.get(1) is None
+                            or plain.buckets[1].steps < 2 * (K + 1)) for _ in range(300)]
+    assert with_probes[:10] == without[:10]  # the sweep is the sweep either way
+    assert set(with_probes[10:]) != {best} and set(without[10:]) == {best}
+
+
 # --- the simulated engine -------------------------------------------------------------------
 
 class Machine:

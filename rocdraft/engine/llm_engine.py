@@ -271,10 +271,10 @@ class LLMEngine:
         t2 = runner.clock()
         sampled, verified_tree = runner.verify(logits, batch, scheduled)
         t3, w3 = runner.clock(), runner.work_clock()
+        has_prefill = has_prefill_tokens(scheduled)
         num_drafts = 0 if policy is None else policy.num_drafts(
             len(scheduled), batch_outlook(scheduled, scheduler, self.max_model_len)
-            if policy.wants_outlook else None)
-        has_prefill = has_prefill_tokens(scheduled)
+            if policy.wants_outlook else None, prefill=has_prefill)
         drafts, shape = None, None
         if num_drafts or (drafter is not None and has_prefill):
             drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts,
@@ -306,7 +306,7 @@ class LLMEngine:
         def num_drafts(scheduled) -> int:
             return policy.num_drafts(len(scheduled), batch_outlook(
                 scheduled, self.scheduler, self.max_model_len)
-                if policy.wants_outlook else None)
+                if policy.wants_outlook else None, prefill=has_prefill_tokens(scheduled))
 
         def propose(batch, sampled, out, num_drafts: int, plan):
             shared = plan if drafter.shares_plan_with(runner.backend) else None

@@ -138,13 +138,17 @@ class DraftPolicy:
             return spec.num_speculative_tokens
         return min(spec.num_speculative_tokens, spec.max_draft_tokens_per_step // batch_size)
 
-    def num_drafts(self, batch_size: int, outlook: BatchOutlook | None = None) -> int:
+    def num_drafts(self, batch_size: int, outlook: BatchOutlook | None = None,
+                   prefill: bool = False) -> int:
         """Drafts per request to make now (verified next step): the cap, or with
         ``draft_policy="cost"`` the count maximising expected tokens per second, or with an
         ``outlook`` (the batch is all the work left) and 2 or more requests the count finishing
         the batch soonest.
         0: the drafter is skipped unless a prompt is in the step. A tree config: its node
-        count."""
+        count. ``prefill``: a request computes prompt tokens this step; such a step is no
+        time sample (RealizedStepTimes), so it drafts the best count and never a probe (on
+        the built-in pair at bs 8 a batch's first step probed d = 2-4 in most batches,
+        3.7 ms more than d = 1 on a 110 ms step, and its draft time was thrown away)."""
         if self.tree is not None:  # the tree's own shape (and batch budget) decide
             return self.tree.num_nodes
         cap = self.drafts_per_request(batch_size)
@@ -201,7 +205,8 @@ class DraftPolicy:
             if best_num_drafts(per_step, rates) > 0 and best_num_drafts(times, rates) == 0 \
                     and best_num_drafts(finish(STOP_OPTIMISM), rates) > 0:
                 fewest = 1
-        self.drafted_last = timer.decide(batch_size, times, self.acceptance.rates, fewest)
+        self.drafted_last = timer.decide(batch_size, times, self.acceptance.rates, fewest,
+                                         probe=not prefill)
         if timer.probed:  # a probe (or the sweep) drafts its count once
             self.decided_for = None
         return self.drafted_last

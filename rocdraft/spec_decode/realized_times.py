@@ -237,9 +237,9 @@ class RealizedStepTimes:
         return times
 
     def decide(self, batch_size: int, step_times: list[float], rates: list[float],
-               min_drafts: int = 0) -> int:
+               min_drafts: int = 0, probe: bool = True) -> int:
         """The drafts per request of this policy step: the sweep, then the best count or
-        a due probe (the module docstring), of at least ``min_drafts`` (and the
+        (``probe``) a due probe (the module docstring), of at least ``min_drafts`` (and the
         constructor's) drafts after the sweep."""
         bucket = self._bucket(batch_size)
         i = bucket.steps
@@ -253,9 +253,9 @@ class RealizedStepTimes:
             best = best_num_drafts(step_times, rates, fewest)
             since = {d: i - bucket.last.get(d, -1)  # never drafted: as if at step -1
                      for d in range(fewest, len(step_times))}
-            probe = due_probe(step_times, rates, best, since, fewest)
-            choice = best if probe is None else probe
-            self.probed = probe is not None
+            due = due_probe(step_times, rates, best, since, fewest) if probe else None
+            choice = best if due is None else due
+            self.probed = due is not None
         bucket.last[choice] = i
         return choice
 
