@@ -214,3 +214,44 @@ def test_tree_steps_give_the_chains_realized_times_no_sample():
     p.observe(record(shape="chain", chain_verified=[3], chain_accepted=[3], seconds=0.01,
                      draft_seconds=0.004))
     assert {c: [x.seconds for x in s] for c, s in bucket.draft.items()} == {d: [0.004]}
+
+
+def test_a_decision_is_repeated_for_a_few_steps_but_never_a_probe_or_near_the_end():
+    """DECIDE_EVERY: a chain config's cost policy decides afresh every 4th step of one batch
+    size and cap and repeats its choice in between (counted as policy steps, so probes keep
+    their spacing); a probe drafts its count once; within NEAR_END full steps of a
+    request's end (an outlook) every step decides; steps observed meanwhile are folded in
+    before the next fresh decision (``defer_observations``)."""
+    from rocdraft.spec_decode.batch_finish import BatchOutlook
+    from rocdraft.spec_decode.policy import DECIDE_EVERY, NEAR_END
+
+    p = policy(draft_costs=(0.010, 0.0005, 0.0005, 0.0002, 0.0012))
+    timer, fresh = p.given_times, []
+    decide = timer.decide
+
+    def counting(*args, **kwargs):
+        fresh.append(decide(*args, **kwargs))
+        return fresh[-1]
+
+    timer.decide = counting
+    chosen = [p.num_drafts(1) for _ in range(400)]
+    assert timer.buckets[1].steps == 400  # every step counted
+    best = max(set(chosen), key=chosen.count)
+    probes = [i for i, d in enumerate(chosen) if d != best]
+    # a probe is not repeated (counts due together are probed on consecutive steps)
+    assert probes and all(chosen[i + 1] != chosen[i] for i in probes if i + 1 < len(chosen))
+    # one decision in DECIDE_EVERY, and one more after each probe
+    assert len(fresh) <= 400 / DECIDE_EVERY + 2 * len(probes) < 400 / 2
+    # near a request's end: every step decides
+    fresh.clear()
+    near = BatchOutlook(("a",), (NEAR_END * (4 + 1),))
+    for _ in range(8):
+        p.num_drafts(1, near)
+    assert len(fresh) == 8
+    # observed steps wait for the next fresh decision
+    p.defer_observations = True
+    p.realized_times = p.given_times  # (deferral is a realized-times policy's)
+    p.observe(record(chain_verified=[2], chain_accepted=[2], num_drafts=2))
+    assert p.pending and p.acceptance.verified[0] == 0
+    p.flush()
+    assert not p.pending and p.acceptance.verified[0] == 1
