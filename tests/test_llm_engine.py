@@ -237,7 +237,7 @@ def test_draft_policy_keeps_greedy_outputs_identical_to_target_only(cyclic_pair,
     assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY)] == reference
     proposed = llm.last_stats.proposed_at_position
     if drafts_verified == "all":  # k on every step but a request's last ones, where
-        # fewer drafts can still yield tokens (rocdraft/spec_decode/policy.py useful_drafts)
+        # fewer drafts can still yield tokens (rocdraft/spec_decode/batch_finish.py useful_drafts)
         assert proposed[0] == llm.last_stats.num_verify_steps > 0
         assert proposed[2] >= 0.75 * llm.last_stats.num_verify_steps
     elif drafts_verified == "none":

@@ -182,6 +182,40 @@ def finish_step_times(times_full: list[float], times_one: list[float], batch_siz
     return out
 
 
+def left_after_this_step(remaining, scales: list[float], rates: list[float],
+                         verified: int) -> list[float]:
+    """Per request, the tokens it is expected to have left once this step's are counted
+    (this step verifies ``verified`` drafts per request, and its tokens are not yet on the
+    host when the next step's drafts are decided): r_i - m_i(verified) at its own scale,
+    at least 1.
+
+    >>> left_after_this_step((10, 3), [1.0, 0.5], [0.8, 0.8], 2)  # m = 2.44 and 1.56
+    [7.56, 1.44]
+    """
+    means: dict[float, float] = {}
+    out = []
+    for r, rho in zip(remaining, scales):
+        m = means.get(rho)
+        if m is None:
+            m = means[rho] = expected_tokens([min(rho * a, 1.0) for a in rates], verified)
+        out.append(max(r - m, 1.0))
+    return out
+
+
+def useful_drafts(outlook: BatchOutlook) -> int:
+    """The most drafts per request that can still yield a token: this step samples at least
+    one token of each request, and the next step, which verifies the drafts made now, at
+    most its drafts + 1, so a request with r tokens left (before this step's) has use for
+    r - 2. Drafts past that cost their step time for nothing (a lone request decided per
+    step drafted k on its last step: 1 of about 20 steps per 64-token request on the
+    built-in pair).
+
+    >>> useful_drafts(BatchOutlook(("a", "b"), (3, 9))), useful_drafts(BatchOutlook(("a",), (1,)))
+    (7, 0)
+    """
+    return max(max(outlook.remaining) - 2, 0)
+
+
 def tokens_per_step(rates: list[float], max_drafts: int) -> tuple[list[float], list[float]]:
     """Per d = 0..max_drafts, the (means, variances) of the tokens one request makes per
     step verifying d drafts accepted with conditional ``rates``: 1 + A with P(A >= j) =

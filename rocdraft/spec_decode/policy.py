@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 from rocdraft.config import SpeculativeConfig
 from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
 from rocdraft.spec_decode.batch_finish import (STOP_OPTIMISM, BatchOutlook,
-                                               RequestAcceptance, finish_step_times)
+                                               RequestAcceptance, finish_step_times,
+                                               left_after_this_step, useful_drafts)
 from rocdraft.spec_decode.cost_model import (EXPLORE_EVERY, AcceptanceTracker, StepCosts,
-                                             batch_bucket, expected_tokens)
+                                             batch_bucket)
 from rocdraft.spec_decode.draft_shape import DraftShapeChooser, chain_on_tree_step
 from rocdraft.spec_decode.realized_times import (RealizedStepTimes, best_num_drafts,
                                                  prior_times, rescale)
@@ -402,40 +403,6 @@ class DraftPolicy:
                 self.shape_chooser.record(step.batch_size, step.shape, step.seconds,
                                           step.produced, chain_tokens)
             self.drafted_shape = step.shape
-
-
-def left_after_this_step(remaining, scales: list[float], rates: list[float],
-                         verified: int) -> list[float]:
-    """Per request, the tokens it is expected to have left once this step's are counted
-    (this step verifies ``verified`` drafts per request, and its tokens are not yet on the
-    host when the next step's drafts are decided): r_i - m_i(verified) at its own scale,
-    at least 1.
-
-    >>> left_after_this_step((10, 3), [1.0, 0.5], [0.8, 0.8], 2)  # m = 2.44 and 1.56
-    [7.56, 1.44]
-    """
-    means: dict[float, float] = {}
-    out = []
-    for r, rho in zip(remaining, scales):
-        m = means.get(rho)
-        if m is None:
-            m = means[rho] = expected_tokens([min(rho * a, 1.0) for a in rates], verified)
-        out.append(max(r - m, 1.0))
-    return out
-
-
-def useful_drafts(outlook: BatchOutlook) -> int:
-    """The most drafts per request that can still yield a token: this step samples at least
-    one token of each request, and the next step, which verifies the drafts made now, at
-    most its drafts + 1, so a request with r tokens left (before this step's) has use for
-    r - 2. Drafts past that cost their step time for nothing (a lone request decided per
-    step drafted k on its last step: 1 of about 20 steps per 64-token request on the
-    built-in pair).
-
-    >>> useful_drafts(BatchOutlook(("a", "b"), (3, 9))), useful_drafts(BatchOutlook(("a",), (1,)))
-    (7, 0)
-    """
-    return max(max(outlook.remaining) - 2, 0)
 
 
 def verified_per_request(step: StepRecord) -> int | None:
