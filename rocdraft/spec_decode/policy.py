@@ -165,8 +165,8 @@ class DraftPolicy:
             return cap
         self.policy_steps += 1
         timer = self.realized_times if self.realized_times is not None else self.given_times
-        key = (batch_size, cap, outlook is not None)
-        if self.decided_for == key and self.repeats < DECIDE_EVERY - 1 \
+        decision = (batch_size, cap, outlook is not None)
+        if self.decided_for == decision and self.repeats < DECIDE_EVERY - 1 \
                 and (outlook is None or min(outlook.remaining) > NEAR_END * (cap + 1)) \
                 and not timer.in_sweep(batch_size, cap):
             # Why: the decision reads means of 8 step times and running rates that move a
@@ -177,7 +177,7 @@ class DraftPolicy:
             timer.repeat(batch_size, self.drafted_last)
             return self.drafted_last
         self.flush()
-        self.decided_for, self.repeats = key, 0
+        self.decided_for, self.repeats = decision, 0
         times = self._step_times(batch_size, costs, cap)
         fewest = 0  # the fewest drafts the decision may make
         if outlook is not None and min(outlook.remaining) > 0 \
