@@ -17,7 +17,8 @@ A step's time splits in two parts the engine clocks separately (``StepRecord``):
 In steady state at d, a step verifies d and drafts d, so T(d) = verify[d] + draft[d]. Each
 entry is the mean of its last ``RECENT`` samples less the slowest (one slow step, a garbage
 collection or another process, moves it little; a lasting change moves it within RECENT
-samples). An entry without samples is its prior times the median ratio realized / prior of
+samples), each sample of a count the policy drafts rarely scaled by how much the count it
+drafts most has slowed or sped up since (rocdraft/spec_decode/host_level.py). An entry without samples is its prior times the median ratio realized / prior of
 the same part's sampled entries (a start-up measured on a busy machine is scaled back by
 what the run measured); without any sample, the prior itself.
 
@@ -218,9 +219,10 @@ class RealizedStepTimes:
         """T(0..max_drafts) in seconds at this batch size: realized (calibrated prior where
         unmeasured) at the bucket's size, moved to this size by the prior's shape. Kept
         for REFRESH samples of the bucket, or until a count gets its first or second: each
-        entry is a mean of up to RECENT samples, and computing the table every step cost
-        the built-in pair 1-2% of its bs 1 throughput (the policy's own time, 0.1-0.2 ms
-        a step of 7-8 ms)."""
+        entry is a mean of up to RECENT samples, and the table was most of the policy's own
+        time (0.1-0.2 ms of a 7-8 ms step on the built-in pair at bs 1, computed every
+        step). Samples of counts other than the bucket's main one are re-levelled to the
+        host's speed now (rocdraft/spec_decode/host_level.py)."""
         bucket = self._bucket(batch_size)
         key = (batch_size, prior, max_drafts)
         kept = bucket.step_times.get(key)
