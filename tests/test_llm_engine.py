@@ -244,6 +244,9 @@ def test_draft_policy_keeps_greedy_outputs_identical_to_target_only(cyclic_pair,
         assert llm.last_stats.num_verify_steps == 0
     else:
         assert sorted(llm.policy.step_costs) == [1, 2, 4]  # buckets up to the 4 prompts
+        # the engine's steps were folded in a few at a time, and all of them by the end
+        assert llm.policy.defer_observations and llm.policy.pending == []
+        assert llm.policy.realized_times.buckets[4].samples > 0
 
 
 def test_step_costs_are_measured_once_per_engine(cyclic_pair):
