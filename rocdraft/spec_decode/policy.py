@@ -50,9 +50,8 @@ SURE_SCALE = 2.0  # standard errors off 1 a lone request's scale must read to be
 # A chain config's cost policy decides afresh every DECIDE_EVERY-th step of one batch size
 # and cap, and repeats its last decision in between (``num_drafts``).
 DECIDE_EVERY = 4
-# ... but every step once an outlook's request with the most tokens left is within NEAR_END
-# full steps of its end (the batch's finish time moves with each step's tokens there;
-# before that, a request finishing changes the batch size, which decides afresh anyway)
+# ... but every step once a request of an outlook is within NEAR_END full steps of its end
+# (the batch's finish time moves with each step's tokens there)
 NEAR_END = 4
 
 
@@ -168,7 +167,7 @@ class DraftPolicy:
         timer = self.realized_times if self.realized_times is not None else self.given_times
         decision = (batch_size, cap, outlook is not None)
         if self.decided_for == decision and self.repeats < DECIDE_EVERY - 1 \
-                and (outlook is None or max(outlook.remaining) > NEAR_END * (cap + 1)) \
+                and (outlook is None or min(outlook.remaining) > NEAR_END * (cap + 1)) \
                 and not timer.in_sweep(batch_size, cap):
             # Why: the decision reads means of 8 step times and running rates that move a
             # few per cent a step, and deciding runs after the target's forward, with the
