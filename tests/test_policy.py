@@ -20,6 +20,11 @@ def policy(**spec) -> DraftPolicy:
     return DraftPolicy(config, config.draft_tree())
 
 
+def kept_seconds(entries: dict) -> dict:
+    """A realized-times part (count -> kept Samples) as count -> their seconds."""
+    return {count: [sample.seconds for sample in kept] for count, kept in entries.items()}
+
+
 def record(**fields) -> StepRecord:
     base = dict(batch_size=1, has_prefill=False, seconds=0.01, produced=3, any_verified=True,
                 drafted=True, shape=None, verified_tree=False, samples=[True])
@@ -100,16 +105,16 @@ def test_observe_feeds_the_chain_acceptance_and_the_realized_step_times():
                      samples=[True, True], draft_seconds=0.001))
     buckets = p.realized_times.buckets
     # verify part keyed by drafts verified per request, draft part by drafts made
-    assert {v: [x.seconds for x in s] for v, s in buckets[1].verify.items()} == {4: [pytest.approx(0.006)]}
-    assert {d: [x.seconds for x in s] for d, s in buckets[1].draft.items()} == {4: [0.004]}
-    assert {v: [x.seconds for x in s] for v, s in buckets[2].verify.items()} == {0: [pytest.approx(0.009)]}
-    assert {d: [x.seconds for x in s] for d, s in buckets[2].draft.items()} == {0: [0.001]}
+    assert kept_seconds(buckets[1].verify) == {4: [pytest.approx(0.006)]}
+    assert kept_seconds(buckets[1].draft) == {4: [0.004]}
+    assert kept_seconds(buckets[2].verify) == {0: [pytest.approx(0.009)]}
+    assert kept_seconds(buckets[2].draft) == {0: [0.001]}
     p.observe(record(has_prefill=True, produced=100, num_drafts=4, draft_seconds=0.5))
-    assert [x.seconds for x in buckets[1].draft[4]] == [0.004]  # a prompt in the step: no sample
+    assert kept_seconds(buckets[1].draft)[4] == [0.004]  # a prompt in the step: no sample
     # requests that verified different counts: a draft sample only
     p.observe(record(batch_size=2, samples=[True, True], chain_verified=[4, 2],
                      chain_accepted=[1, 1], num_drafts=4, draft_seconds=0.003))
-    assert list(buckets[2].verify) == [0] and [x.seconds for x in buckets[2].draft[4]] == [0.003]
+    assert list(buckets[2].verify) == [0] and kept_seconds(buckets[2].draft)[4] == [0.003]
 
 
 def test_observe_on_a_tree_step_feeds_the_chooser_with_the_chains_tokens_on_the_same_step():
@@ -207,13 +212,13 @@ def test_tree_steps_give_the_chains_realized_times_no_sample():
     # Verified chains of 3, drafted a tree: a verify sample only.
     p.observe(record(shape="tree", chain_verified=[3], chain_accepted=[2], seconds=0.01,
                      draft_seconds=0.004))
-    assert {v: [x.seconds for x in s] for v, s in bucket.verify.items()} == {3: [pytest.approx(0.006)]}
+    assert kept_seconds(bucket.verify) == {3: [pytest.approx(0.006)]}
     assert not bucket.draft
     # Verified chains, drafted a chain of the count decided: both parts.
     d = p.chain_drafts_in_tree_mode(1)
     p.observe(record(shape="chain", chain_verified=[3], chain_accepted=[3], seconds=0.01,
                      draft_seconds=0.004))
-    assert {c: [x.seconds for x in s] for c, s in bucket.draft.items()} == {d: [0.004]}
+    assert kept_seconds(bucket.draft) == {d: [0.004]}
 
 
 def test_a_decision_is_repeated_for_a_few_steps_but_never_a_probe_or_near_the_end():

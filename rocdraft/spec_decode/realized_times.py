@@ -18,9 +18,10 @@ In steady state at d, a step verifies d and drafts d, so T(d) = verify[d] + draf
 entry is the mean of its last ``RECENT`` samples less the slowest (one slow step, a garbage
 collection or another process, moves it little; a lasting change moves it within RECENT
 samples), each sample of a count the policy drafts rarely scaled by how much the count it
-drafts most has slowed or sped up since (rocdraft/spec_decode/host_level.py). An entry without samples is its prior times the median ratio realized / prior of
-the same part's sampled entries (a start-up measured on a busy machine is scaled back by
-what the run measured); without any sample, the prior itself.
+drafts most has slowed or sped up since (rocdraft/spec_decode/host_level.py). An entry
+without samples is its prior times the median ratio realized / prior of the same part's
+sampled entries (a start-up measured on a busy machine is scaled back by what the run
+measured); without any sample, the prior itself.
 
 One bucket holds several batch sizes (5-8 requests share bucket 8), and at the end of a
 batch requests finish at different steps, so a count's last samples were often taken at
@@ -179,7 +180,7 @@ class RealizedStepTimes:
         of a tree config, whose drafter always runs: rocdraft/spec_decode/draft_shape.py)."""
         self.max_drafts, self.sweep, self.min_drafts = max_drafts, sweep, min_drafts
         self.buckets: dict[int, _Bucket] = {}
-        self.probed = False  # the last decision was the sweep's or a probe
+        self.probed = False  # the last decision was the sweep's or a probe (``decide``)
 
     def _bucket(self, batch_size: int) -> _Bucket:
         bucket = self.buckets.get(batch_bucket(batch_size))
@@ -245,11 +246,11 @@ class RealizedStepTimes:
         constructor's) drafts after the sweep."""
         bucket = self._bucket(batch_size)
         i = bucket.steps
+        sweeping = self.in_sweep(batch_size, len(step_times) - 1)
         bucket.steps += 1
-        counts = len(step_times) - self.min_drafts
-        self.probed = True  # the sweep, or a probe: not the best count (``repeat``)
-        if self.sweep and i < 2 * counts:  # the sweep: k, k, k - 1, ..., min, min
+        if sweeping:  # the sweep: k, k, k - 1, ..., min, min
             choice = len(step_times) - 1 - i // 2
+            self.probed = True  # not the best count: ``DraftPolicy`` does not repeat it
         else:
             fewest = max(self.min_drafts, min_drafts)
             best = best_num_drafts(step_times, rates, fewest)
@@ -285,7 +286,8 @@ def probe_interval(cost: float) -> int:
     return max(round(cost / PROBE_BUDGET), MIN_PROBE_INTERVAL)
 
 
-def probe_cost(step_times: list[float], rates: list[float], best: int, d: int) -> float:
+def probe_cost(step_times: list[float], rates: list[float], best: int, d: int,
+               expected: list[float] | None = None) -> float:
     """What drafting ``d`` once instead of ``best`` costs, in steps of ``best``: its step
     (the draft part now, the verify part next step) takes T(d) where the best would have
     made the same E(d) tokens in E(d) / E(best) of its steps.
@@ -293,7 +295,8 @@ def probe_cost(step_times: list[float], rates: list[float], best: int, d: int) -
     >>> round(probe_cost([10.0, 12.0, 14.0], [0.8, 0.8], 2, 0), 3)  # 10/14 - 1/2.44
     0.304
     """
-    expected = expected_all(rates, len(step_times))
+    if expected is None:  # E(0..k), when the caller has not computed them (``due_probe``)
+        expected = expected_all(rates, len(step_times))
     return max(step_times[d] / step_times[best] - expected[d] / expected[best], 0.0)
 
 
@@ -315,7 +318,6 @@ def due_probe(step_times: list[float], rates: list[float], best: int, since: dic
     if not waiting:
         return None
     expected = expected_all(rates, len(step_times))
-    costs = {d: max(step_times[d] / step_times[best] - expected[d] / expected[best], 0.0)
-             for d in waiting}
+    costs = {d: probe_cost(step_times, rates, best, d, expected) for d in waiting}
     due = [d for d, cost in costs.items() if since[d] >= probe_interval(cost)]
     return min(due, key=lambda d: (costs[d], d)) if due else None
