@@ -224,9 +224,10 @@ def test_tree_steps_give_the_chains_realized_times_no_sample():
 def test_a_decision_is_repeated_for_a_few_steps_but_never_a_probe_or_near_the_end():
     """DECIDE_EVERY: a chain config's cost policy decides afresh every 4th step of one batch
     size and cap and repeats its choice in between (counted as policy steps, so probes keep
-    their spacing); a probe drafts its count once; within NEAR_END full steps of a
-    request's end (an outlook) every step decides; steps observed meanwhile are folded in
-    before the next fresh decision (``defer_observations``)."""
+    their spacing); a probe drafts its count once, and so does a decision while a request
+    of an outlook has verified no draft; within NEAR_END full steps of a request's end (an
+    outlook) every step decides; steps observed meanwhile are folded in before the next
+    fresh decision (``defer_observations``)."""
     from rocdraft.spec_decode.batch_finish import BatchOutlook
     from rocdraft.spec_decode.policy import DECIDE_EVERY, NEAR_END
 
@@ -253,6 +254,19 @@ def test_a_decision_is_repeated_for_a_few_steps_but_never_a_probe_or_near_the_en
     for _ in range(8):
         p.num_drafts(1, near)
     assert len(fresh) == 8
+    # nor while a request of the outlook has verified no draft (a batch's first steps):
+    # its acceptance is the pooled rates' until then
+    fresh.clear()
+    far = BatchOutlook(("a", "b"), (10 * NEAR_END * (4 + 1),) * 2)
+    for _ in range(3):
+        p.num_drafts(2, far)
+    p.request_acceptance.observe(["a"], [2], [1])
+    p.num_drafts(2, far)
+    assert len(fresh) == 4
+    p.request_acceptance.observe(["b"], [2], [1])
+    for _ in range(DECIDE_EVERY):
+        p.num_drafts(2, far)
+    assert len(fresh) == 5
     # observed steps wait for the next fresh decision
     p.defer_observations = True
     p.realized_times = p.given_times  # (deferral is a realized-times policy's)

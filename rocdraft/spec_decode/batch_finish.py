@@ -103,6 +103,12 @@ class RequestAcceptance:
             entry[0] = keep * entry[0] + a
             entry[1] = keep * entry[1] + min(a + 1, v)
 
+    def seen_all(self, keys) -> bool:
+        """Every request of ``keys`` has verified a draft (its scale is more than the
+        prior's)."""
+        counts = self.counts
+        return all(key in counts for key in keys)
+
     def forget(self, keys) -> None:
         """Finished requests."""
         for key in keys:

@@ -180,6 +180,7 @@ class DraftPolicy:
         self.decided_for, self.repeats = decision, 0
         times = self._step_times(batch_size, costs, cap)
         fewest = 0  # the fewest drafts the decision may make
+        unseen = False  # an outlook's request has verified no draft yet
         if outlook is not None and min(outlook.remaining) > 0 \
                 and (batch_size > 1 or self._scale_is_sure(outlook.keys[0])):
             # T(1, d): these times moved to one request by the prior's shape (bucket 1's
@@ -190,6 +191,7 @@ class DraftPolicy:
                    in zip(times, *at_size, *at_one)]
             per_step, rates = times, self.acceptance.rates
             scales = [self.request_acceptance.scale(key, pooled) for key in outlook.keys]
+            unseen = not self.request_acceptance.seen_all(outlook.keys)
             remaining = left_after_this_step(outlook.remaining, scales, rates,
                                              self.drafted_last)
 
@@ -208,7 +210,12 @@ class DraftPolicy:
                 fewest = 1
         self.drafted_last = timer.decide(batch_size, times, self.acceptance.rates, fewest,
                                          probe=not prefill)
-        if timer.probed:  # a probe (or the sweep) drafts its count once
+        if timer.probed or unseen:
+            # A probe (or the sweep) drafts its count once. So does a decision on an
+            # outlook with a request that has not verified a draft yet: its acceptance is
+            # the pooled rates' until then (on the built-in pair at bs 8 a batch's first
+            # two steps chose d = 3-4 and held it for 3 more steps; the next fresh
+            # decision, on the requests' own acceptance, chose d = 1)
             self.decided_for = None
         return self.drafted_last
 
