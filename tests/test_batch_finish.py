@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 
 from rocdraft.config import SpeculativeConfig
 from rocdraft.spec_decode.batch_finish import (MAX_TRACKED, PRIOR_POSITIONS, SCALE_STEPS,
-                                               STOP_OPTIMISM, TIE_SHARE,
+                                               SLOPE_STEP, STOP_OPTIMISM, TIE_SHARE,
                                                BatchOutlook, RequestAcceptance,
                                                expected_max_normal, finish_step_times,
                                                tokens_per_step)
@@ -69,31 +69,67 @@ def test_tokens_per_step_matches_the_distribution(rates, num_drafts):
     assert variances[-1] == pytest.approx(var, abs=1e-9)
 
 
-@given(st.lists(st.tuples(st.integers(1, 300), st.floats(0.2, 2.0)), min_size=1, max_size=40),
+@given(st.lists(st.tuples(st.integers(1, 300), st.floats(0.2, 2.0), st.floats(0.0, 0.5)),
+                min_size=1, max_size=40),
        st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K))
 def test_grouping_by_scale_equals_the_per_request_formula(requests, rates):
     """The grouped sums equal the module docstring's formula over each request, with each
-    scale rounded to 1/SCALE_STEPS."""
+    scale and its standard error rounded to 1/SCALE_STEPS (m' by a central difference of
+    SLOPE_STEP)."""
     import math
 
-    remaining = [r for r, _ in requests]
-    scales = [round(rho * SCALE_STEPS) / SCALE_STEPS for _, rho in requests]
+    def steps(x: float) -> float:
+        return round(x * SCALE_STEPS) / SCALE_STEPS
+
+    def m(rho: float) -> list[float]:
+        return tokens_per_step([min(max(rho, 0.0) * a, 1.0) for a in rates], K)[0]
+
+    remaining = [r for r, _, _ in requests]
+    scales, sds = [steps(rho) for _, rho, _ in requests], [steps(sd) for _, _, sd in requests]
     full, one, b = [8.0, 11.0, 13.0, 15.0, 17.0], [5.0, 6.0, 7.0, 8.0, 9.0], len(requests)
-    got = finish_step_times(full, one, b, rates, remaining, [rho for _, rho in requests])
+    got = finish_step_times(full, one, b, rates, remaining, [rho for _, rho, _ in requests],
+                            [sd for _, _, sd in requests])
     spread = expected_max_normal(b)
     stats = [tokens_per_step([min(rho * a, 1.0) for a in rates], K) for rho in scales]
+    slopes = [[(u - w) / (2 * SLOPE_STEP) for u, w in zip(m(rho + SLOPE_STEP),
+                                                           m(rho - SLOPE_STEP))]
+              for rho in scales]
     before = mean_before = math.inf
     for d in range(K + 1):
         per_request = (full[d] - one[d]) / (b - 1) if b > 1 else 0.0
         fixed = one[d] - per_request
         n = [r / m[d] for r, (m, _) in zip(remaining, stats)]
-        slowest = max(r / m[d] + spread * math.sqrt(r * v[d] / m[d] ** 3)
-                      for r, (m, v) in zip(remaining, stats))
+        slowest = max(r / m[d] + spread * math.sqrt(
+            r * v[d] / m[d] ** 3 + (r * slope[d] * sd / m[d] ** 2) ** 2)
+            for r, (m, v), slope, sd in zip(remaining, stats, slopes, sds))
         slowest = min(slowest, before - TIE_SHARE * (mean_before - max(n)))  # never slower
         before, mean_before = slowest, max(n)
         want = (fixed * slowest + per_request * sum(n)) * expected_tokens(rates, d) \
             / sum(remaining)
         assert got[d] == pytest.approx(want, rel=1e-9)
+
+
+def test_a_new_batchs_unknown_scales_spread_its_finish():
+    """Eight requests that have verified no draft read rho = 1, give or take the spread of
+    scales the shrinkage assumes (``scale_sd``): the slowest of them lags more the more
+    they draft (d = 0 does not depend on rho), so on the built-in pair's bs 8 step times
+    (ms) the batch's first steps draft 1, not the 3 that eight alike requests would."""
+    full, one = [5.41, 8.06, 11.25, 12.81, 15.3], [4.1, 5.6, 7.1, 8.2, 9.4]
+    rates, left = [0.82, 0.78, 0.86, 0.85], [62] * 8
+    sd = RequestAcceptance().scale_sd("new", 0.8)
+    assert sd == pytest.approx((0.8 * 0.2 / PRIOR_POSITIONS) ** 0.5 / 0.8)
+    alike = finish_step_times(full, one, 8, rates, left, [1.0] * 8)
+    unsure = finish_step_times(full, one, 8, rates, left, [1.0] * 8, [sd] * 8)
+    assert unsure[0] == alike[0]
+    longer = [u / a for u, a in zip(unsure, alike)]
+    assert all(x < y for x, y in zip(longer, longer[1:]))  # more so the more it drafts
+    assert (best_num_drafts(alike, rates), best_num_drafts(unsure, rates)) == (3, 1)
+    assert finish_step_times(full, one, 8, rates, left, [1.0] * 8, [0.0] * 8) == alike
+    # a request seen for longer reads a smaller error
+    acc = RequestAcceptance()
+    for _ in range(10):
+        acc.observe(["seen"], [2], [1])
+    assert acc.scale_sd("seen", 0.8) < 0.75 * sd  # 17 positions (decayed) against none
 
 
 def test_request_acceptance_scales_follow_each_requests_own_drafts():

@@ -16,7 +16,9 @@ share by PRIOR_POSITIONS positions, over that pooled share; ``RequestAcceptance`
 accepts position j
 with probability min(rho_i * alpha_j, 1), so it makes m_i(d) tokens per step with variance
 v_i(d) (``tokens_per_step``) and needs N_i(d) = r_i / m_i(d) steps at d, give or take
-s_i(d) = sqrt(r_i v_i / m_i^3) (a renewal count's spread). A step of b requests takes
+s_i(d) = sqrt(r_i v_i / m_i^3 + (r_i m_i' sigma_i / m_i^2)^2): a renewal count's spread, and
+that of the scale's own error sigma_i (``RequestAcceptance.scale_sd``; m_i' = dm_i / drho)
+moved to steps. A step of b requests takes
 T(b, d) = c0(d) + c1(d) * b (the step times at the batch's size B and at 1 request, on a
 line), so holding d until the batch is done takes
 
@@ -25,7 +27,13 @@ line), so holding d until the batch is done takes
 (every step until the slowest request is done pays c0, and the slowest of B lags its mean by
 about g_B = E max of B standard normals, ``expected_max_normal``; each request pays c1 per
 step it runs). Larger d separates the requests both ways: by their acceptance (rho) and by
-chance (v grows with d). The policy's decision maximises E(d) / T(d) on the running rates;
+chance (v grows with d). The scale's error matters at a batch's start: a request that has
+verified no draft reads rho = 1 with sigma = sqrt(p (1 - p) / PRIOR_POSITIONS) / p, the
+spread of scales the shrinkage assumes (0.18 at p = 0.8). Without it eight new requests
+looked alike, the slowest of them only chance behind, and on the built-in pair's bs 8 step
+times (T(8, d) = 5.4, 8.1, 11.3, 12.8, 15.3 ms, rates 0.82, 0.78, 0.86, 0.85) a batch's
+first steps drafted 3 where every later one, on the requests' own acceptance, drafted 1;
+with it they draft 1 (``test_a_new_batchs_unknown_scales_spread_its_finish``). The policy's decision maximises E(d) / T(d) on the running rates;
 it is handed T'(d) = time(d) * E(d) / sum_i r_i instead, so that E(d) / T'(d) = sum_i r_i /
 time(d): the same decision and the same priced probes (rocdraft/spec_decode/
 realized_times.py), now on the batch's finish time. With every request alike and no spread
@@ -68,6 +76,7 @@ from rocdraft.spec_decode.cost_model import RATE_DECAY, expected_tokens
 PRIOR_POSITIONS = 8.0  # positions of shrinkage towards the batch's rates (rho = 1)
 SCALE_STEPS = 32  # requests whose scales round alike (to 1/32) are counted as one group
 MAX_TRACKED = 4096  # requests tracked at most (then only those of the step at hand)
+SLOPE_STEP = 0.05  # of a scale: the step of dm / drho's central difference
 TIE_SHARE = 0.01  # of the mean's gain the slowest keeps where the spread says it gains none
 STOP_OPTIMISM = 1.0  # standard errors added to each scale before the outlook stops drafting
 
@@ -109,6 +118,17 @@ class RequestAcceptance:
         counts = self.counts
         return all(key in counts for key in keys)
 
+    def scale_sd(self, key, pooled_rate: float) -> float:
+        """The standard error of ``scale``: sqrt(p (1 - p) / (positions + PRIOR_POSITIONS))
+        / pooled_rate at the shrunk share p (a request not seen: the spread of scales the
+        shrinkage assumes)."""
+        if pooled_rate <= 0.0:
+            return 0.0
+        accepted, positions = self.counts.get(key, (0, 0))
+        shrunk = (accepted + PRIOR_POSITIONS * pooled_rate) / (positions + PRIOR_POSITIONS)
+        return math.sqrt(max(shrunk * (1.0 - shrunk), 0.0)
+                         / (positions + PRIOR_POSITIONS)) / pooled_rate
+
     def forget(self, keys) -> None:
         """Finished requests."""
         for key in keys:
@@ -143,8 +163,8 @@ class RequestAcceptance:
 
 
 def finish_step_times(times_full: list[float], times_one: list[float], batch_size: int,
-                      rates: list[float], remaining: list[int], scales: list[float]
-                      ) -> list[float]:
+                      rates: list[float], remaining: list[int], scales: list[float],
+                      scale_sds: list[float] | None = None) -> list[float]:
     """T'(0..k) (the module docstring): step times that make the per-step decision finish
     the batch soonest. times_full: T(B, d) at ``batch_size`` B; times_one: T(1, d) (for
     B = 1 the same: time(d) = T(1, d) * r / E_1(d), the request's own tokens per second);
@@ -159,22 +179,34 @@ def finish_step_times(times_full: list[float], times_one: list[float], batch_siz
     # Requests grouped by their scale (to 1 / SCALE_STEPS): per group the tokens left in
     # all (the sum term) and the most (its slowest request), so a step costs O(B + groups
     # * k) and not O(B * k) (1.4 ms at B = 256 per request, about 0.1 ms grouped).
-    groups: dict[float, list[int]] = {}
-    for r, rho in zip(remaining, scales):
-        group = groups.setdefault(round(rho * SCALE_STEPS) / SCALE_STEPS, [0, 0])
+    groups: dict[tuple[float, float], list[int]] = {}
+    for r, rho, sd in zip(remaining, scales, scale_sds or [0.0] * len(scales)):
+        group = groups.setdefault((round(rho * SCALE_STEPS) / SCALE_STEPS,
+                                   round(sd * SCALE_STEPS) / SCALE_STEPS), [0, 0])
         group[0] += r
         group[1] = max(group[1], r)
-    per_group = [(tokens_per_step([min(rho * a, 1.0) for a in rates], len(times_full) - 1),
-                  left, most) for rho, (left, most) in groups.items()]
+    k = len(times_full) - 1
+    per_group = []
+    for (rho, sd), (left, most) in groups.items():
+        means, variances = tokens_per_step([min(rho * a, 1.0) for a in rates], k)
+        # the scale's own uncertainty, moved to steps: N = r / m(rho), dN = r m' / m^2
+        slopes = [0.0] * (k + 1)
+        if sd > 0.0:
+            up = tokens_per_step([min((rho + SLOPE_STEP) * a, 1.0) for a in rates], k)[0]
+            down = tokens_per_step([min(max(rho - SLOPE_STEP, 0.0) * a, 1.0)
+                                    for a in rates], k)[0]
+            slopes = [(u - w) / (2 * SLOPE_STEP) * sd for u, w in zip(up, down)]
+        per_group.append(((means, variances), slopes, left, most))
     out, before, mean_before = [], math.inf, math.inf
     for d, (full, one) in enumerate(zip(times_full, times_one)):
         per_request = max(full - one, 0.0) / (batch_size - 1) if batch_size > 1 else 0.0
         fixed = max(one - per_request, 0.0)
         steps, slowest, slowest_mean = 0.0, 0.0, 0.0
-        for (means, variances), left, most in per_group:
+        for (means, variances), slopes, left, most in per_group:
             mean, var = means[d], variances[d]
             steps += left / mean
-            slowest = max(slowest, most / mean + spread * math.sqrt(most * var / mean ** 3))
+            slowest = max(slowest, most / mean + spread * math.sqrt(
+                most * var / mean ** 3 + (most * slopes[d] / mean ** 2) ** 2))
             slowest_mean = max(slowest_mean, most / mean)
         # One more draft never makes a request slower (on the same acceptance draws it
         # accepts at least as many tokens per step), so never the slowest; the normal spread

@@ -195,11 +195,19 @@ class DraftPolicy:
             remaining = left_after_this_step(outlook.remaining, scales, rates,
                                              self.drafted_last)
 
+            # each scale's standard error (a request not seen yet: the spread of requests'
+            # scales the shrinkage assumes) widens the slowest request's spread; not on
+            # hopeful scales (d = 0 has no spread, so it would favour stopping)
+            sds = [self.request_acceptance.scale_sd(key, pooled) for key in outlook.keys]
+
             def finish(optimism: float) -> list[float]:
-                return finish_step_times(
-                    per_step, one, batch_size, rates, remaining,
-                    [self.request_acceptance.scale(key, pooled, optimism)
-                     for key in outlook.keys] if optimism else scales)
+                if optimism:
+                    return finish_step_times(
+                        per_step, one, batch_size, rates, remaining,
+                        [self.request_acceptance.scale(key, pooled, optimism)
+                         for key in outlook.keys])
+                return finish_step_times(per_step, one, batch_size, rates, remaining,
+                                         scales, sds)
 
             times = finish(0.0)
             # d = 0 stops drafting on the outlook only when it wins on hopeful scales too
