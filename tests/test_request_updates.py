@@ -124,39 +124,3 @@ def test_batch_outlook_only_when_the_batch_is_all_the_work_and_its_ends_are_know
         scheduled = scheduler.schedule()
         scheduled[1].request.params = params
         assert batch_outlook(scheduled, scheduler, 100) is None
-
-
-def test_no_draft_is_kept_deeper_than_the_tokens_left_less_one():
-    """The next step yields at most a kept draft's depth + 1 tokens: with 3 tokens left a
-    chain keeps 2 drafts, with 2 left a tree its nodes of depth 1 (a BFS prefix); a request
-    with 1 token left keeps none (the next step verifies fewer rows)."""
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 2)]
-    scheduler = Scheduler(CONFIG)
-    a, b = Request(0, [1, 2], params[0]), Request(1, [3, 4], params[1])
-    for req in (a, b):
-        scheduler.add(req)
-    scheduled = scheduler.schedule()
-    batch = build_step_batch(scheduled, CONFIG.max_blocks_per_seq, CONFIG.block_size, "cpu")
-    apply_step(scheduler, scheduled, batch.samples, [[7], [8]], [[30, 31, 32], [33, 34, 35]],
-               GenerationStats(3), CONFIG.max_model_len, per_request=3)
-    assert (a.spec_token_ids, b.spec_token_ids) == ([30, 31], [])  # 3 and 1 tokens left
-    scheduled = scheduler.schedule()
-    assert [s.num_draft_tokens for s in scheduled] == [2, 0]  # ragged rows verify
-    batch = build_step_batch(scheduled, CONFIG.max_blocks_per_seq, CONFIG.block_size, "cpu")
-    tree = ([40, 41, 42, 43], [-1, -1, 0, 2], [-0.1, -0.2, -0.3, -0.4])  # depths 1, 1, 2, 3
-    results = apply_step(scheduler, scheduled, batch.samples, [[5, -1, -1], [10, -1, -1]],
-                         [tree, tree], GenerationStats(3), CONFIG.max_model_len,
-                         per_request=4)
-    assert b.is_finished and a.output_token_ids == [7, 5]  # a: 2 tokens left
-    assert (a.spec_token_ids, a.spec_parents, a.spec_scores) == ([40, 41], [-1, -1],
-                                                                 [-0.1, -0.2])
-    assert [r.request_id for r, _ in results.advanced] == [0, 1]
-
-
-def test_a_tree_keeps_its_nodes_up_to_a_depth_as_a_bfs_prefix():
-    from rocdraft.engine.request_updates import useful_prefix
-
-    assert useful_prefix([-1, -1, 0, 2], 2) == 3  # depths 1, 1, 2, 3
-    assert useful_prefix([-1, -1, 0, 2], 0) == 0
-    assert useful_prefix([-1, 0, 1, 2], 9) == 4
-    assert useful_prefix([], 3) == 0

@@ -86,9 +86,7 @@ def apply_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], samples:
                tree_paths: list[list[int]] | None = None) -> StepResults:
     """Append the step's tokens (``sampled_cpu`` [B][k+1], -1 = rejected), advance
     ``scheduler``, keep at most ``per_request`` of ``drafts_cpu`` (a chain's tokens, or a
-    tree's (tokens, parents, scores), per request) for the next step, none deeper than the
-    request's tokens left less one (a draft past them could only be cut), and count
-    ``stats``.
+    tree's (tokens, parents, scores), per request) for the next step, and count ``stats``.
     ``tree_paths``: the accepted node indices per request of a verified tree (the tree
     budget reads them beside the stored scores). ``samples``: per request whether the step
     reached its last token (``StepBatch.samples``)."""
@@ -123,29 +121,14 @@ def apply_step(scheduler: Scheduler, scheduled: list[ScheduledRequest], samples:
         if req.is_finished:
             scheduler.finish(req)
         elif drafts_cpu is not None and per_request:
-            # The next step yields at most a kept draft's depth + 1 tokens, so a draft
-            # deeper than the tokens left (max_tokens, the context) less one would be cut.
-            depth = min(req.params.max_tokens - len(req.output_token_ids),
-                        max_model_len - req.num_tokens) - 1
+            room = max(min(max_model_len - req.num_tokens, per_request), 0)
             if isinstance(drafts_cpu[row], tuple):  # a BFS prefix of a tree is a tree
                 tokens, parents, scores = drafts_cpu[row]
-                # its nodes take consecutive slots: at most the context left of them
-                room = max(min(max_model_len - req.num_tokens, per_request), 0)
-                room = useful_prefix(parents[:room], depth)
                 req.spec_token_ids, req.spec_parents = tokens[:room], parents[:room]
                 req.spec_scores = scores[:room]
             else:  # a chain (also one drafted in tree mode: verified as a chain)
-                req.spec_token_ids = drafts_cpu[row][:max(min(depth, per_request), 0)]
+                req.spec_token_ids = drafts_cpu[row][:room]
     return results
-
-
-def useful_prefix(parents: list[int], max_depth: int) -> int:
-    """The nodes of a BFS-ordered tree (``parents``: -1 for a root's child) at depth
-    ``max_depth`` or less: a prefix, since BFS order sorts nodes by depth.
-
-    Example: parents [-1, -1, 0, 2] (depths 1, 1, 2, 3), max_depth 2 -> 3."""
-    depths = host_depths(parents) if parents else []
-    return sum(depth <= max_depth for depth in depths)
 
 
 def step_record(scheduled: list[ScheduledRequest], samples: list[bool], verified_tree: bool,
