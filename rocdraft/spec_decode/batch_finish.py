@@ -33,10 +33,12 @@ spread of scales the shrinkage assumes (0.18 at p = 0.8). Without it eight new r
 looked alike, the slowest of them only chance behind, and on the built-in pair's bs 8 step
 times (T(8, d) = 5.4, 8.1, 11.3, 12.8, 15.3 ms, rates 0.82, 0.78, 0.86, 0.85) a batch's
 first steps drafted 3 where every later one, on the requests' own acceptance, drafted 1;
-with it they draft 1 (``test_a_new_batchs_unknown_scales_spread_its_finish``). The policy's decision maximises E(d) / T(d) on the running rates;
-it is handed T'(d) = time(d) * E(d) / sum_i r_i instead, so that E(d) / T'(d) = sum_i r_i /
-time(d): the same decision and the same priced probes (rocdraft/spec_decode/
-realized_times.py), now on the batch's finish time. With every request alike and no spread
+with it they draft 1 (``test_a_new_batchs_unknown_scales_spread_its_finish``).
+
+The policy's decision maximises E(d) / T(d) on the running rates; it is handed T'(d) =
+time(d) * E(d) / sum_i r_i instead, so that E(d) / T'(d) = sum_i r_i / time(d): the same
+decision and the same priced probes (rocdraft/spec_decode/realized_times.py), now on the
+batch's finish time. With every request alike and no spread
 (d = 0), max_i N_i = mean_i N_i and T'(d) = T(B, d) / B: the per-step objective. A request
 alone (B = 1), or the slow ones of a tail, is decided on its own recent acceptance against
 the running rates as they are now (rho is decayed as they are, so a request the running
@@ -118,16 +120,25 @@ class RequestAcceptance:
         counts = self.counts
         return all(key in counts for key in keys)
 
-    def scale_sd(self, key, pooled_rate: float) -> float:
-        """The standard error of ``scale``: sqrt(p (1 - p) / (positions + PRIOR_POSITIONS))
-        / pooled_rate at the shrunk share p (a request not seen: the spread of scales the
-        shrinkage assumes)."""
-        if pooled_rate <= 0.0:
-            return 0.0
+    def _share(self, key, pooled_rate: float) -> tuple[float, float]:
+        """(p, its standard error): the request's accepted share of the positions it
+        verified, shrunk towards ``pooled_rate`` by PRIOR_POSITIONS positions, and
+        sqrt(p (1 - p) / (positions + PRIOR_POSITIONS))."""
         accepted, positions = self.counts.get(key, (0, 0))
         shrunk = (accepted + PRIOR_POSITIONS * pooled_rate) / (positions + PRIOR_POSITIONS)
-        return math.sqrt(max(shrunk * (1.0 - shrunk), 0.0)
-                         / (positions + PRIOR_POSITIONS)) / pooled_rate
+        return shrunk, math.sqrt(max(shrunk * (1.0 - shrunk), 0.0)
+                                 / (positions + PRIOR_POSITIONS))
+
+    def scale_sd(self, key, pooled_rate: float) -> float:
+        """The standard error of ``scale`` (that of the shrunk share over ``pooled_rate``;
+        a request not seen: the spread of scales the shrinkage assumes).
+
+        >>> round(RequestAcceptance().scale_sd("new", 0.8), 3)  # sqrt(0.8 * 0.2 / 8) / 0.8
+        0.177
+        """
+        if pooled_rate <= 0.0:
+            return 0.0
+        return self._share(key, pooled_rate)[1] / pooled_rate
 
     def forget(self, keys) -> None:
         """Finished requests."""
@@ -152,14 +163,10 @@ class RequestAcceptance:
         >>> round(acc.scale("a", 0.8, 1.0), 3)  # (0.711 + sqrt(0.711 * 0.289 / 9)) / 0.8
         1.078
         """
-        accepted, positions = self.counts.get(key, (0, 0))
         if pooled_rate <= 0.0:
             return 1.0
-        shrunk = (accepted + PRIOR_POSITIONS * pooled_rate) / (positions + PRIOR_POSITIONS)
-        if optimism:
-            shrunk += optimism * math.sqrt(max(shrunk * (1.0 - shrunk), 0.0)
-                                           / (positions + PRIOR_POSITIONS))
-        return shrunk / pooled_rate
+        shrunk, error = self._share(key, pooled_rate)
+        return (shrunk + optimism * error) / pooled_rate
 
 
 def finish_step_times(times_full: list[float], times_one: list[float], batch_size: int,
@@ -168,7 +175,8 @@ def finish_step_times(times_full: list[float], times_one: list[float], batch_siz
     """T'(0..k) (the module docstring): step times that make the per-step decision finish
     the batch soonest. times_full: T(B, d) at ``batch_size`` B; times_one: T(1, d) (for
     B = 1 the same: time(d) = T(1, d) * r / E_1(d), the request's own tokens per second);
-    remaining, scales: r_i > 0 and rho_i per request.
+    remaining, scales: r_i > 0 and rho_i per request; scale_sds: sigma_i per request (None:
+    every scale taken as exact). m_i' is a central difference of SLOPE_STEP.
 
     >>> t = finish_step_times([6.0, 10.0], [5.0, 7.0], 2, [0.8], [10, 10], [1.0, 0.5])
     >>> [round(x, 2) for x in t]  # time(d) = 60, 68.9 ms; E = 1, 1.8; 20 tokens
