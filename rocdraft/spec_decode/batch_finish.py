@@ -74,6 +74,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from rocdraft.spec_decode.cost_model import RATE_DECAY, expected_tokens
+from rocdraft.spec_decode.realized_times import best_num_drafts
 
 PRIOR_POSITIONS = 8.0  # positions of shrinkage towards the batch's rates (rho = 1)
 SCALE_STEPS = 32  # requests whose scales round alike (to 1/32) are counted as one group
@@ -226,6 +227,36 @@ def finish_step_times(times_full: list[float], times_one: list[float], batch_siz
         time = fixed * slowest + per_request * steps
         out.append(time * expected_tokens(rates, d) / total)
     return out
+
+
+def outlook_step_times(per_step: list[float], one: list[float], batch_size: int,
+                       rates: list[float], outlook: BatchOutlook,
+                       acceptance: RequestAcceptance, pooled_rate: float,
+                       verified: int) -> tuple[list[float], int]:
+    """(T'(0..k) to decide on, the fewest drafts the decision may make) for ``outlook``'s
+    batch (``finish_step_times`` on each request's tokens left after this step, which
+    verifies ``verified`` drafts per request; per_step, one: T(B, d) and T(1, d)).
+
+    Each scale's standard error (a request not seen yet: the spread of requests' scales the
+    shrinkage assumes) widens the slowest request's spread, but not on the hopeful scales
+    that decide stopping: d = 0 has no spread, so the error would favour it. d = 0 is
+    allowed only when it wins on scales STOP_OPTIMISM standard errors higher too (the module
+    docstring: d = 0 verifies nothing, so the scales it was chosen on would never be
+    corrected); otherwise fewest is 1 where the outlook alone would stop.
+    """
+    keys = outlook.keys
+    scales = [acceptance.scale(key, pooled_rate) for key in keys]
+    remaining = left_after_this_step(outlook.remaining, scales, rates, verified)
+    times = finish_step_times(per_step, one, batch_size, rates, remaining, scales,
+                              [acceptance.scale_sd(key, pooled_rate) for key in keys])
+    fewest = 0
+    if best_num_drafts(per_step, rates) > 0 and best_num_drafts(times, rates) == 0:
+        hopeful = finish_step_times(per_step, one, batch_size, rates, remaining,
+                                    [acceptance.scale(key, pooled_rate, STOP_OPTIMISM)
+                                     for key in keys])
+        if best_num_drafts(hopeful, rates) > 0:
+            fewest = 1
+    return times, fewest
 
 
 def left_after_this_step(remaining, scales: list[float], rates: list[float],

@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 
 from rocdraft.config import SpeculativeConfig
 from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
-from rocdraft.spec_decode.batch_finish import (STOP_OPTIMISM, BatchOutlook,
-                                               RequestAcceptance, finish_step_times,
-                                               left_after_this_step, useful_drafts)
+from rocdraft.spec_decode.batch_finish import (BatchOutlook, RequestAcceptance,
+                                               outlook_step_times, useful_drafts)
 from rocdraft.spec_decode.cost_model import (EXPLORE_EVERY, AcceptanceTracker, StepCosts,
                                              batch_bucket)
 from rocdraft.spec_decode.draft_shape import DraftShapeChooser, chain_on_tree_step
@@ -189,33 +188,10 @@ class DraftPolicy:
             pooled = self.acceptance.pooled_rate
             one = [rescale(t, v1 + d1, vb + db) for t, vb, db, v1, d1
                    in zip(times, *at_size, *at_one)]
-            per_step, rates = times, self.acceptance.rates
-            scales = [self.request_acceptance.scale(key, pooled) for key in outlook.keys]
             unseen = not self.request_acceptance.seen_all(outlook.keys)
-            remaining = left_after_this_step(outlook.remaining, scales, rates,
-                                             self.drafted_last)
-
-            # each scale's standard error (a request not seen yet: the spread of requests'
-            # scales the shrinkage assumes) widens the slowest request's spread; not on
-            # hopeful scales (d = 0 has no spread, so it would favour stopping)
-            sds = [self.request_acceptance.scale_sd(key, pooled) for key in outlook.keys]
-
-            def finish(optimism: float) -> list[float]:
-                if optimism:
-                    return finish_step_times(
-                        per_step, one, batch_size, rates, remaining,
-                        [self.request_acceptance.scale(key, pooled, optimism)
-                         for key in outlook.keys])
-                return finish_step_times(per_step, one, batch_size, rates, remaining,
-                                         scales, sds)
-
-            times = finish(0.0)
-            # d = 0 stops drafting on the outlook only when it wins on hopeful scales too
-            # (STOP_OPTIMISM, rocdraft/spec_decode/batch_finish.py: d = 0 verifies
-            # nothing, so the scales it was chosen on would never be corrected)
-            if best_num_drafts(per_step, rates) > 0 and best_num_drafts(times, rates) == 0 \
-                    and best_num_drafts(finish(STOP_OPTIMISM), rates) > 0:
-                fewest = 1
+            times, fewest = outlook_step_times(times, one, batch_size, self.acceptance.rates,
+                                               outlook, self.request_acceptance, pooled,
+                                               self.drafted_last)
         self.drafted_last = timer.decide(batch_size, times, self.acceptance.rates, fewest,
                                          probe=not prefill)
         if timer.probed or unseen:
