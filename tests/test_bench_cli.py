@@ -60,6 +60,41 @@ def test_bench_json_report(capsys, pair):
     assert err.count("warm-up") == 2 and "target_only run 2" in err
 
 
+def test_replicas_build_every_system_n_times_and_rotate_the_repeats(capsys, pair, monkeypatch):
+    """--replicas 2: two engines per system, built replica by replica, and repeat r runs
+    replica r mod 2 of each system (every engine warmed up once, then 2 of 4 repeats)."""
+    from rocdraft.entrypoints import cli_options
+
+    built, runs = [], {}
+    make_llm = cli_options.make_llm
+
+    def recording(args, **kw):
+        llm, method = make_llm(args, **kw)
+        built.append((method, llm))
+        runs[id(llm)] = 0
+        generate = llm.generate
+
+        def counted(*a, **k):
+            runs[id(llm)] += 1
+            return generate(*a, **k)
+        llm.generate = counted
+        return llm, method
+
+    monkeypatch.setattr(cli_options, "make_llm", recording)
+    rc, out, err = bench(capsys, pair, "--batch-size", "2", "--num-prompts", "2", "--repeat",
+                         "4", "--replicas", "2", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["config"]["replicas"] == 2
+    # replica by replica: the speculative system, then target-only, twice
+    assert [m for m, _ in built] == ["eagle3", "none", "eagle3", "none"]
+    # one batch of 2 per run: one warm-up and 4 / 2 timed repeats per engine
+    assert [runs[id(llm)] for _, llm in built] == [3, 3, 3, 3]
+    row = report["results"][0]
+    assert all(len(v) == 4 for v in row["runs"].values())
+    assert row["greedy_outputs_identical"] is True
+
+
 def test_bench_compare_hf_same_tokens_as_transformers(capsys, pair):
     rc, out, err = bench(capsys, pair, "--batch-size", "1", "--batch-size", "2",
                          "--num-prompts", "2", "--compare-hf", "--json")
@@ -142,6 +177,7 @@ def test_bench_table_and_plot(capsys, pair, tmp_path):
     (["--repeat", "0"], "--repeat must be >= 1"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--threads", "0"], "--threads must be >= 1"),
+    (["--replicas", "0"], "--replicas must be >= 1"),
     (["--compare-hf", "--temperature", "0.5"], "--compare-hf compares greedy decoding"),
 ])
 def test_bench_bad_values(capsys, pair, args, fragment):

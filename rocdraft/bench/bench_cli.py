@@ -34,6 +34,15 @@ prompts, rotated like the others; with tree flags instead the tree under the cos
 (the tree-or-chain chooser), the tree alone (``fixed``) and the chain of k (``fixed``).
 Chain systems add ``drafts_share``: the share of decode request-steps that verified each d
 (d = 0: plain decoding; each request's prompt step left out).
+
+``--replicas N`` builds every rocdraft system N times (N times its memory) and repeat r runs
+replica r mod N of each: identical engines in one process do not run equally fast. On the
+built-in pair (CPU, 1 thread, bs 1) six engines of one config, interleaved over 30 repeats,
+kept their order between the two halves of the repeats and spanned 0.986-1.025x of their
+mean; re-packing every engine's oneDNN weights halfway reshuffled that order (memory
+placement, not the config). With one engine per system such a spread is read as a
+difference between systems, and the best of several near-equal ones is the luckiest
+engine; replicas average it out.
 """
 from __future__ import annotations
 
@@ -82,6 +91,10 @@ def add_bench_args(bench) -> None:
                        help="measure the default draft policy against fixed draft counts "
                             "d = 1..k side by side with target-only (with tree flags: the "
                             "tree-or-chain chooser, the tree and the chain)")
+    bench.add_argument("--replicas", type=int, default=1,
+                       help="engines built per rocdraft system, repeat r running replica r "
+                            "mod N (N times the memory; averages out how fast one engine "
+                            "happens to run; default 1)")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", help="write a PNG: speedup vs batch size, acceptance per "
                                       "position or depth (needs the plot extra: matplotlib)")
@@ -154,7 +167,7 @@ def _check_args(args) -> list[int]:
     if bad:
         raise RocdraftError(f"--batch-size must be >= 1, got {bad}")
     for flag, value in (("--repeat", args.repeat), ("--num-prompts", args.num_prompts),
-                        ("--threads", args.threads)):
+                        ("--threads", args.threads), ("--replicas", args.replicas)):
         if value is not None and value < 1:
             raise RocdraftError(f"{flag} must be >= 1, got {value}")
     if args.compare_hf and args.temperature != 0.0:
@@ -261,22 +274,29 @@ def _run_bench(args) -> int:
     if by_policy is not None:
         compare = list(by_policy)
     spec_names = compare or ["speculative"]
-    spec_llms = {}
-    for name in spec_names:
-        own = by_policy[name] if by_policy else system_args(args, name) if compare else args
-        # sync_timing: an exact time split on GPUs
-        spec_llms[name], method = make_llm(own, sync_timing=True)
-        if method == "none":
-            raise RocdraftError("rocdraft bench compares against speculative decoding; "
-                                "give --method eagle, eagle3 or mtp (or use the built-in pair)")
-    spec_llm = spec_llms[spec_names[0]]
-    dtype = spec_llm.config.dtype  # the flag's value, or the device's default
     from rocdraft.builtin import builtin_paths
 
-    base_llm, _ = make_llm(type(args)(**{
+    base_args = type(args)(**{
         **vars(args), "method": "none", "draft": None, **dict.fromkeys(TREE_ARGS),
         # the built-in pair: the same target, no head
-        "target": args.target if args.target is not None else builtin_paths().target}))
+        "target": args.target if args.target is not None else builtin_paths().target})
+    replicas = {name: [] for name in ["target_only", *spec_names]}  # name -> its engines
+    for _ in range(args.replicas):  # replica by replica: no system's engines all built first
+        for name in spec_names:
+            own = by_policy[name] if by_policy else system_args(args, name) if compare \
+                else args
+            # sync_timing: an exact time split on GPUs
+            llm, method = make_llm(own, sync_timing=True)
+            if method == "none":
+                raise RocdraftError("rocdraft bench compares against speculative decoding; "
+                                    "give --method eagle, eagle3 or mtp (or use the built-in "
+                                    "pair)")
+            replicas[name].append(llm)
+        replicas["target_only"].append(make_llm(base_args)[0])
+    spec_llms = {name: replicas[name][0] for name in spec_names}  # configs, labels
+    spec_llm = spec_llms[spec_names[0]]
+    dtype = spec_llm.config.dtype  # the flag's value, or the device's default
+    base_llm = replicas["target_only"][0]
     hf = HFPeer(base_llm.config.target, dtype, base_llm.device) if args.compare_hf \
         else None
     pool = _prompt_pool(args, spec_llm.tokenizer, max([args.num_prompts, *batch_sizes]))
@@ -303,12 +323,12 @@ def _run_bench(args) -> int:
             outs += hf.generate(batch, max_tokens or args.max_new_tokens, prompt_lookup)
         return outs, []
 
-    systems = {"target_only": lambda b, m=None: run_rocdraft(base_llm, b, m)}
-    for name, llm in spec_llms.items():
-        systems[name] = lambda b, m=None, llm=llm: run_rocdraft(llm, b, m)
+    # system name -> run(batches, max_tokens, replica index)
+    systems = {name: lambda b, m=None, r=0, llms=llms: run_rocdraft(llms[r % len(llms)], b, m)
+               for name, llms in replicas.items()}
     if hf is not None:
-        systems["hf_generate"] = lambda b, m=None: run_hf(b, False, m)
-        systems["hf_prompt_lookup"] = lambda b, m=None: run_hf(b, True, m)
+        systems["hf_generate"] = lambda b, m=None, r=0: run_hf(b, False, m)
+        systems["hf_prompt_lookup"] = lambda b, m=None, r=0: run_hf(b, True, m)
 
     def names_for(batch_size: int) -> list[str]:
         return [n for n in systems if n != "hf_prompt_lookup" or batch_size == 1]
@@ -327,7 +347,8 @@ def _run_bench(args) -> int:
         # key first met later, such as a prompt step of uniform length, is captured then).
         warm_up = (batches, None) if base_llm.device != "cpu" else (batches[:1], 8)
         for name in names:
-            systems[name](*warm_up)
+            for r in range(len(replicas.get(name, [None]))):
+                systems[name](*warm_up, r)
         tps = {name: [] for name in names}
         outputs = {}
         stats_sum = dict.fromkeys(spec_names)
@@ -335,7 +356,7 @@ def _run_bench(args) -> int:
         for r in range(args.repeat):
             for name in rotated(names, r):
                 start = time.perf_counter()
-                outs, stats = systems[name](batches)
+                outs, stats = systems[name](batches, None, r)
                 elapsed = time.perf_counter() - start
                 tps[name].append(sum(len(o) for o in outs) / elapsed)
                 outputs[name] = outs
@@ -373,7 +394,8 @@ def _run_bench(args) -> int:
               "dtype": dtype, "tensor_parallel_size": args.tensor_parallel_size,
               "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "repeat": args.repeat,
-              "num_prompts": args.num_prompts, "threads": torch.get_num_threads(),
+              "num_prompts": args.num_prompts, "replicas": args.replicas,
+              "threads": torch.get_num_threads(),
               "compare_hf": hf is not None,
               "systems": {n: labels[n] for n in systems},
               "kv_cache": spec_llm.kv_cache_plan.describe(),
