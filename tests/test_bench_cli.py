@@ -93,6 +93,10 @@ def test_replicas_build_every_system_n_times_and_rotate_the_repeats(capsys, pair
     row = report["results"][0]
     assert all(len(v) == 4 for v in row["runs"].values())
     assert row["greedy_outputs_identical"] is True
+    from rocdraft.bench.bench_report import print_table
+
+    print_table(report)
+    assert "of 4 repeats, 2 engines per system" in capsys.readouterr().out
 
 
 def test_bench_compare_hf_same_tokens_as_transformers(capsys, pair):
@@ -169,6 +173,7 @@ def test_bench_table_and_plot(capsys, pair, tmp_path):
                          str(plot))
     assert rc == 0, err
     assert "vs target-only" in out and "median [min-max] of 1 repeats" in out
+    assert "engines per system" not in out  # one engine each: not said
     assert "3 prompts" in out and plot.stat().st_size > 1000
 
 

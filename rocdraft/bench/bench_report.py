@@ -178,7 +178,8 @@ def print_table(report: dict) -> None:
     print(f"rocdraft bench: {'; '.join(cfg['systems'][n] for n in spec_names)} on "
           f"{cfg['device']} ({cfg['attention_backend']}, {cfg['dtype']}), {threads}, "
           f"{cfg['num_prompts']} prompts x {cfg['max_new_tokens']} new tokens, "
-          f"median [min-max] of {cfg['repeat']} repeats")
+          f"median [min-max] of {cfg['repeat']} repeats"
+          + (f", {cfg['replicas']} engines per system" if cfg.get("replicas", 1) > 1 else ""))
     peer = cfg["compare_hf"]
     width = max([34, *(len(label) for label in cfg["systems"].values())])
     print(f"{'batch':>5}  {'system':<{width}} {'tok/s median [min-max]':>26} "
