@@ -91,7 +91,7 @@ def add_bench_args(bench) -> None:
                        help="measure the default draft policy against fixed draft counts "
                             "d = 1..k side by side with target-only (with tree flags: the "
                             "tree-or-chain chooser, the tree and the chain)")
-    bench.add_argument("--replicas", type=int, default=1,
+    bench.add_argument("--replicas", type=int, default=1, metavar="N",
                        help="engines built per rocdraft system, repeat r running replica r "
                             "mod N (N times the memory; averages out how fast one engine "
                             "happens to run; default 1)")
