@@ -36,13 +36,9 @@ Chain systems add ``drafts_share``: the share of decode request-steps that verif
 (d = 0: plain decoding; each request's prompt step left out).
 
 ``--replicas N`` builds every rocdraft system N times (N times its memory) and repeat r runs
-replica r mod N of each: identical engines in one process do not run equally fast. On the
-built-in pair (CPU, 1 thread, bs 1) six engines of one config, interleaved over 30 repeats,
-kept their order between the two halves of the repeats and spanned 0.986-1.025x of their
-mean; re-packing every engine's oneDNN weights halfway reshuffled that order (memory
-placement, not the config). With one engine per system such a spread is read as a
-difference between systems, and the best of several near-equal ones is the luckiest
-engine; replicas average it out.
+replica r mod N of each: identical engines in one process run persistently apart (up to 4%
+at bs 1 on the built-in pair, with where their memory sits; docs/draft-policy.md, tenth
+session), and one engine per system reads that as a difference between systems.
 """
 from __future__ import annotations
 
