@@ -400,3 +400,17 @@ def test_the_modules_examples():
     from rocdraft.spec_decode import batch_finish
 
     assert doctest.testmod(batch_finish).failed == 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=12),
+       st.floats(0.0, 1.0))
+def test_scales_and_sds_equal_scale_and_scale_sd(steps, pooled):
+    """The outlook's one-pass accessor gives what ``scale`` and ``scale_sd`` give, seen
+    requests and unseen alike."""
+    acc = RequestAcceptance()
+    for i, (verified, accepted) in enumerate(steps):
+        acc.observe([i % 3], [verified], [min(accepted, verified)])
+    keys = [0, 1, 2, "unseen"]
+    scales, sds = acc.scales_and_sds(keys, pooled)
+    assert scales == [acc.scale(key, pooled) for key in keys]
+    assert sds == [acc.scale_sd(key, pooled) for key in keys]
