@@ -123,6 +123,15 @@ class DraftGraphPlan:
     pool: object = None
 
 
+def hidden_dtype(head: torch.nn.Module) -> torch.dtype:
+    """The dtype of a head's hidden states: its fc's for an EAGLE head (which may compute in
+    another dtype than the target whose embedding it shares and registers first,
+    ``SpeculativeConfig.draft_dtype``), else its first parameter's (MTP layers run in the
+    engine's dtype)."""
+    fc = getattr(head, "fc", None)
+    return fc.weight.dtype if isinstance(fc, torch.nn.Linear) else next(head.parameters()).dtype
+
+
 class DraftLoopRunner:
     def __init__(self, proposer, kv_caches: list[LayerKVCache], hidden_size: int,
                  max_blocks_per_seq: int, buckets: tuple[int, ...], use_graphs: bool,
@@ -143,8 +152,8 @@ class DraftLoopRunner:
         self.draft_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
-        dtype = next(proposer.head.parameters()).dtype
-        self.hidden = torch.zeros(largest, hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(largest, hidden_size, dtype=hidden_dtype(proposer.head),
+                                  device=device)
         self.block_table = torch.full((largest, max_blocks_per_seq), -1, dtype=torch.int32,
                                       device=device)
         self.out = torch.zeros(largest, steps, dtype=torch.long, device=device)

@@ -31,7 +31,7 @@ import logging
 import torch
 
 from rocdraft.backends.kv_cache import LayerKVCache
-from rocdraft.drafter.graphs import capture_per_bucket
+from rocdraft.drafter.graphs import capture_per_bucket, hidden_dtype
 from rocdraft.drafter.tree_draft import TreeDrafter, TreeDrafts
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class TreeLoopRunner:
         self.buckets, self.use_graphs = tuple(sorted(buckets)), use_graphs
         self.capture_bytes: dict[int, int] = {}
         largest, device = self.buckets[-1], proposer.device
-        dtype = next(proposer.head.parameters()).dtype
+        dtype = hidden_dtype(proposer.head)
         num_nodes = drafter.tree.num_nodes
         self.root_hidden = torch.zeros(largest, hidden_size, dtype=dtype, device=device)
         self.root_positions = torch.full((largest,), proposer.max_model_len, dtype=torch.long,

@@ -21,7 +21,7 @@ from rocdraft.backends.base import AttentionBackend
 from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.models.config import HeadConfig
 from rocdraft.models.layers import (EAGER_REGIONS, Attention, DecoderBlock, GatedMLP, RMSNorm,
-                                    decoder_forward, layer_weights, project)
+                                    decoder_forward, in_dtype_of, layer_weights, project)
 from rocdraft.models.rope import RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 
@@ -88,6 +88,7 @@ class Eagle1Head(nn.Module):
         embeds = self.embed_tokens(input_ids)  # [n, H]
         if splice is not None:
             embeds = splice.apply(embeds)
+        embeds = in_dtype_of(embeds, self.fc)  # the target's table, another draft_dtype
         rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
         hidden = project(self.fc, torch.cat([embeds, hidden_states.to(embeds.dtype)], dim=-1))
         layers = self._weights.get(self)
@@ -97,8 +98,9 @@ class Eagle1Head(nn.Module):
         return hidden
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H] -> [n, vocab] float32 (draft vocab == target vocab)."""
-        return project(self.lm_head, hidden).float()
+        """hidden [n, H] -> [n, vocab] float32 (draft vocab == target vocab; the target's
+        lm_head, in the target's dtype)."""
+        return project(self.lm_head, in_dtype_of(hidden, self.lm_head)).float()
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids

@@ -26,8 +26,8 @@ from rocdraft.backends.kv_cache import LayerKVCache
 from rocdraft.errors import CheckpointError
 from rocdraft.models.config import NUM_AUX_LAYERS, HeadConfig
 from rocdraft.models.layers import (EAGER_REGIONS, Attention, BlockRegions, BlockWeights,
-                                    GatedMLP, RMSNorm, block_forward, block_weights, project,
-                                    rms_norm)
+                                    GatedMLP, RMSNorm, block_forward, block_weights, in_dtype_of,
+                                    project, rms_norm)
 from rocdraft.models.rope import RopeTables, RotaryEmbedding
 from rocdraft.models.weight_cache import WeightCache
 
@@ -196,13 +196,15 @@ class Eagle3Head(nn.Module):
         embeds = self.embed_tokens(input_ids)  # [n, H]
         if splice is not None:
             embeds = splice.apply(embeds)
+        embeds = in_dtype_of(embeds, self.fc)  # the target's table, another draft_dtype
         rope = self.rotary_emb.tables(positions, embeds.dtype)  # shared by every layer
         return midlayer_forward(self._weights.get(self), embeds, hidden_states.to(embeds.dtype),
                                 rope, kv_caches[0], attn_metadata, self.regions, rows)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H] -> [n, draft_vocab] float32."""
-        return project(self.lm_head, self.norm(hidden)).float()
+        """hidden [n, H] -> [n, draft_vocab] float32 (a full-vocabulary head without its own
+        lm_head uses the target's, in the target's dtype)."""
+        return project(self.lm_head, in_dtype_of(self.norm(hidden), self.lm_head)).float()
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """draft_ids [...] -> target ids [...]: one lookup (``target_ids``), no map when the

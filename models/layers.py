@@ -118,6 +118,14 @@ def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def in_dtype_of(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """``x`` in the dtype of ``module``'s weight, where they differ: a head computing in
+    another dtype than the target whose embedding or lm_head it shares
+    (``SpeculativeConfig.draft_dtype``). No op where they agree (or the module has none)."""
+    weight = getattr(module, "weight", None)
+    return x if weight is None or weight.dtype == x.dtype else x.to(weight.dtype)
+
+
 def linear_of(module: nn.Module) -> Linear:
     return (module.weight, module.bias) if type(module) is nn.Linear else module.forward
 

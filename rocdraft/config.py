@@ -11,6 +11,7 @@ from rocdraft.errors import RocdraftError
 METHODS = ("eagle", "eagle3", "mtp")  # mtp: the target's own draft layers (models/mtp.py)
 MAX_SPECULATIVE_TOKENS = 16
 DRAFT_POLICIES = ("cost", "fixed")
+DTYPES = ("float32", "bfloat16", "float16")
 DRAFT_COST_FIELDS = ("target_fixed", "target_per_token", "head_fixed", "head_per_token",
                      "draft_step")
 
@@ -121,6 +122,12 @@ class SpeculativeConfig:
     # batch size. None: measured once per batch bucket on dummy inputs.
     draft_costs: tuple[float, ...] | None = None
     acceptance_prior: float = 0.7  # conditional acceptance rate assumed before any is seen
+    # The dtype the EAGLE head computes in (its weights, activations and KV cache): None, the
+    # engine's dtype. Drafts only propose and the target verifies every one, so the output
+    # is the target's whatever the head's dtype: "bfloat16" beside a float32 target halves
+    # the bytes the head reads per draft (docs/performance.md). Not for MTP layers, which
+    # share the target's embedding and lm_head.
+    draft_dtype: str | None = None
     # Tree drafting (issue 13), at most one of the two; num_speculative_tokens keeps meaning
     # the chain length. Static: the seed's string format, "[(0,), (1,), (0, 0)]" (or the
     # parsed nodes), validated by drafter.tree_spec. Dynamic (EAGLE-2): all three of depth,
@@ -153,6 +160,14 @@ class SpeculativeConfig:
             object.__setattr__(self, "draft_costs", costs)
         if not isinstance(self.method, str) or self.method not in METHODS:
             raise RocdraftError(f"unknown speculative method {self.method!r}; valid: {METHODS}")
+        if self.draft_dtype is not None:
+            if not isinstance(self.draft_dtype, str) or self.draft_dtype not in DTYPES:
+                raise RocdraftError(f"unknown draft_dtype {self.draft_dtype!r}; valid: None "
+                                    f"(the engine's dtype) or one of {DTYPES}")
+            if self.method == "mtp":
+                raise RocdraftError(f"draft_dtype {self.draft_dtype!r} was given with method "
+                                    f"'mtp', whose layers share the target's embedding and "
+                                    f"lm_head and run in the engine's dtype; drop draft_dtype")
         for name, minimum, optional in (("max_speculative_tokens", 1, False),
                                         ("max_draft_tokens_per_step", 1, True),
                                         ("num_speculative_tokens", None, False)):
@@ -240,9 +255,6 @@ class SchedulerConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
-
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)

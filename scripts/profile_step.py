@@ -50,6 +50,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--draft-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="the head's dtype (SpeculativeConfig.draft_dtype; default --dtype)")
     args = parser.parse_args()
     for name in ("steps", "top", "threads", "num_speculative_tokens"):
         if getattr(args, name) < 1:
@@ -72,20 +74,29 @@ def start_batch(llm: LLM, prompts: list[str], max_tokens: int, tag: str = "profi
     return ids
 
 
+# The profiler's names of the dtypes a step's matmuls run in -> bytes per element.
+ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
+
+
 def weight_bytes(events, itemsize: int) -> int:
     """Bytes of the weight of every profiled matmul: of an mm / addmm the larger of its two
     matrix operands (a step's matmuls have fewer rows than any weight has; the CPU runs some
-    weight first), of oneDNN's linear its (packed) weight (models/linear_form.py)."""
+    weight first), of oneDNN's linear its (packed) weight (models/linear_form.py); each at
+    its own dtype's size where the profiler names it (a head in another dtype than the
+    target, --draft-dtype), else ``itemsize``."""
     total = 0
     for e in events:
         if not e.input_shapes:
             continue
+        # (a matmul's operands share one dtype; the first the profiler names is theirs)
+        size = next((ITEMSIZE[d] for d in getattr(e, "input_dtypes", None) or ()
+                     if d in ITEMSIZE), itemsize)
         if e.name in ("aten::mm", "aten::addmm"):
             operands = e.input_shapes[-2:]
             if all(len(shape) == 2 for shape in operands):
-                total += max(a * b for a, b in operands) * itemsize
+                total += max(a * b for a, b in operands) * size
         elif e.name == "mkldnn::_linear_pointwise" and len(e.input_shapes[1]) == 2:
-            total += e.input_shapes[1][0] * e.input_shapes[1][1] * itemsize
+            total += e.input_shapes[1][0] * e.input_shapes[1][1] * size
     return total
 
 
@@ -150,7 +161,8 @@ def main() -> int:
     base = LLM(args.target, **common)
     spec = LLM(args.target, draft=args.draft, **common,
                speculative_config=SpeculativeConfig(args.method, args.num_speculative_tokens,
-                                                    draft_policy="fixed"))
+                                                    draft_policy="fixed",
+                                                    draft_dtype=args.draft_dtype))
     prompts = heldout_prompts(n=max(batch_sizes), prompt_tokens=96, seed=0,
                               tokenizer=base.tokenizer)
     for batch_size in batch_sizes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from checkpoints import write_eagle3_head, write_tiny_llama
 from rocdraft.entrypoints.cli import main
@@ -97,6 +98,40 @@ def test_replicas_build_every_system_n_times_and_rotate_the_repeats(capsys, pair
 
     print_table(report)
     assert "of 4 repeats, 2 engines per system" in capsys.readouterr().out
+
+
+def test_draft_dtype_reaches_every_speculative_system_and_the_report(capsys, pair,
+                                                                    monkeypatch):
+    """--draft-dtype bfloat16 builds each speculative system's head in bfloat16 (target-only
+    and the target stay float32), the JSON config records it, the table header names it,
+    and greedy outputs stay identical to target-only's."""
+    from rocdraft.entrypoints import cli_options
+
+    built = []
+    make_llm = cli_options.make_llm
+
+    def recording(args, **kw):
+        llm, method = make_llm(args, **kw)
+        built.append(llm)
+        return llm, method
+
+    monkeypatch.setattr(cli_options, "make_llm", recording)
+    rc, out, err = bench(capsys, pair, "--batch-size", "2", "--num-prompts", "2",
+                         "--compare-policies", "--num-speculative-tokens", "2",
+                         "--draft-dtype", "bfloat16", "--json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert (report["config"]["dtype"], report["config"]["draft_dtype"]) == ("float32",
+                                                                          "bfloat16")
+    heads = {llm.draft_runner.head.fc.weight.dtype for llm in built
+             if llm.draft_runner is not None}
+    assert heads == {torch.bfloat16} and len(built) == 4  # cost, fixed 1-2, target-only
+    for name, f in report["results"][0]["systems"].items():
+        assert f["greedy_outputs_identical"] is True, name
+    from rocdraft.bench.bench_report import print_table
+
+    print_table(report)
+    assert ", float32, bfloat16 head), 1 torch thread" in capsys.readouterr().out
 
 
 def test_bench_compare_hf_same_tokens_as_transformers(capsys, pair):

@@ -68,6 +68,19 @@ def test_target_alone_runs_without_speculation(ckpt):
         assert kwargs["async_scheduling"] is value
 
 
+def test_draft_dtype_reaches_the_speculative_config(ckpt):
+    """--draft-dtype sets the head's dtype only (the engine's stays --dtype); without a
+    speculative method it is refused, naming the value."""
+    kwargs = make_llm_kwargs(parse("--target", ckpt["target"], "--draft", ckpt["eagle3"],
+                                   "--draft-dtype", "bfloat16", "--device", "cpu"))
+    assert kwargs["speculative_config"].draft_dtype == "bfloat16"
+    assert kwargs["dtype"] == "float32"
+    plain = make_llm_kwargs(parse("--target", ckpt["target"], "--draft", ckpt["eagle3"]))
+    assert plain["speculative_config"].draft_dtype is None
+    with pytest.raises(RocdraftError, match="--draft-dtype float16 .* --method none"):
+        make_llm_kwargs(parse("--target", ckpt["target"], "--draft-dtype", "float16"))
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--draft", "HEAD", "--method", "none"], "--draft was given with --method none"),
     (["--method", "eagle3"], "--method eagle3 needs --draft DIR"),

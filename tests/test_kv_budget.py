@@ -63,6 +63,16 @@ def test_docstring_worked_examples():
     assert "max_model_len 2048" in message and "129 blocks" in message
 
 
+def test_a_head_in_another_dtype_is_counted_at_its_own_element_size():
+    """draft_dtype: the caches after the target's at the head's element size (a bfloat16
+    head beside a float32 target: the docstring's 139264 bytes, not 147456)."""
+    specs = [(8, 2, 64), (1, 2, 64)]
+    assert kv_bytes_per_block(16, 4, specs, 2) == 2 * 16 * (4 * 8 * 128 + 2 * 128) == 139264
+    assert kv_bytes_per_block(16, 4, specs, None) == kv_bytes_per_block(16, 4, specs) == \
+        BUILTIN_BLOCK
+    assert kv_bytes_per_block(16, 2, specs[:1], 4) == 2 * 16 * 2 * 1024  # no head: unused
+
+
 def test_default_fits_small_needs_and_never_refuses_on_the_cpu():
     small = plan_kv_cache(block_size=16, bytes_per_block=1024, max_num_seqs=4,
                           max_model_len=64)

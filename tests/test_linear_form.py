@@ -113,8 +113,9 @@ def test_weight_first_output_takes_downstream_views(rows, blas):
                                F.silu(F.linear(x, w)[:, :half]) * F.linear(x, w)[:, half:])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_other_dtypes_run_f_linear_unchanged(recorded, dtype):
+    """float16 and float64 always, bfloat16 with oneDNN off (``recorded`` turns it off)."""
     x = torch.randn(1, 24, dtype=dtype)
     weight = torch.randn(2048, 24, dtype=dtype)
     want = F.linear(x, weight)
@@ -151,6 +152,32 @@ def test_onednn_form_is_f_linear(monkeypatch, rows, with_bias):
     # a transposed input (a weight-first result upstream) is made contiguous first
     torch.testing.assert_close(lf.run_linear(x.t().contiguous().t(), weight, bias),
                                F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_bfloat16_runs_onednn_on_the_packed_copy(monkeypatch, rows):
+    """A bfloat16 linear (a head with draft_dtype="bfloat16") runs oneDNN on the packed copy
+    whatever its shape, within bfloat16 rounding of F.linear; with oneDNN off, F.linear; no
+    rows: F.linear (oneDNN takes none)."""
+    monkeypatch.setattr(lf, "_onednn", True)
+    reorders = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(lf.torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda w, n: reorders.append(w.dtype) or reorder(w, n), raising=False)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(96, 64, generator=gen).to(torch.bfloat16)  # under ONEDNN_MIN_WEIGHT
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    out = lf.run_linear(x, weight, bias)
+    assert reorders == [torch.bfloat16]
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96) and out.is_contiguous()
+    want = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    assert lf.run_linear(x[:0], weight, bias).shape == (0, 96)
+    monkeypatch.setattr(lf, "_onednn", False)
+    assert torch.equal(lf.run_linear(x, weight, bias), F.linear(x, weight, bias))
+    assert reorders == [torch.bfloat16]
 
 
 @needs_onednn

@@ -103,6 +103,36 @@ def test_seeded_random_output_does_not_depend_on_the_batch_or_the_budget(pair,
             seeded_reference[:1]
 
 
+@pytest.mark.parametrize("tree", [None, "[(0,), (1,), (0, 0), (0, 0, 0)]"],
+                         ids=["chain", "tree"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_a_bfloat16_head_beside_a_float32_target_stays_lossless(
+        pair, reference, seeded_reference, method, tree, attention_backend):
+    """draft_dtype="bfloat16": the head's weights, KV cache and draft loop buffers are
+    bfloat16, the target's stay float32 (and the target's embedding / lm_head the head shares
+    stay the target's), greedy and seeded outputs are target-only's, and drafts are still
+    accepted (the casts at the head's edges keep its predictions)."""
+    spec = SpeculativeConfig(method, 3, draft_policy="fixed", draft_dtype="bfloat16",
+                             speculative_token_tree=tree)
+    llm = LLM(pair["target"], draft=pair[method], attention_backend=attention_backend,
+              speculative_config=spec, max_num_batched_tokens=16,
+              graph_mode="replay-eagerly")  # the static buffers a GPU engine captures
+    runner = llm.draft_runner
+    loop = runner.proposer.graph_runner if tree is None else runner.proposer.tree_runner
+    hidden = loop.hidden if tree is None else loop.root_hidden
+    assert hidden.dtype == torch.bfloat16  # not the shared embedding's float32
+    assert {c.key.dtype for c in runner.kv_caches} == {torch.bfloat16}
+    assert runner.head.fc.weight.dtype == torch.bfloat16
+    assert llm.model_runner.kv_caches[0].key.dtype == torch.float32
+    assert runner.head.embed_tokens.weight.dtype == torch.float32  # the target's, shared
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert llm.last_stats.acceptance_length > 1.5
+    assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == seeded_reference
+    assert llm.last_stats.acceptance_length > 1.5
+    if tree is None:
+        assert_some_accepted_some_rejected(llm.last_stats, 3)
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_random_heads_are_all_rejected_and_stay_lossless(pair, method, attention_backend):
     """A random head never agrees with its random target: acceptance exactly 1, every step

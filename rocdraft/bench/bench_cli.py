@@ -273,7 +273,8 @@ def _run_bench(args) -> int:
     from rocdraft.builtin import builtin_paths
 
     base_args = type(args)(**{
-        **vars(args), "method": "none", "draft": None, **dict.fromkeys(TREE_ARGS),
+        **vars(args), "method": "none", "draft": None, "draft_dtype": None,
+        **dict.fromkeys(TREE_ARGS),
         # the built-in pair: the same target, no head
         "target": args.target if args.target is not None else builtin_paths().target})
     replicas = {name: [] for name in ["target_only", *spec_names]}  # name -> its engines
@@ -387,7 +388,8 @@ def _run_bench(args) -> int:
                                      for n, llm in spec_llms.items()}} if by_policy else {}),
               "draft_policy": spec_llm.config.speculative.draft_policy,
               "attention_backend": spec_llm.backend.name, "device": spec_llm.device,
-              "dtype": dtype, "tensor_parallel_size": args.tensor_parallel_size,
+              "dtype": dtype, "draft_dtype": spec_llm.config.speculative.draft_dtype or dtype,
+              "tensor_parallel_size": args.tensor_parallel_size,
               "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "repeat": args.repeat,
               "num_prompts": args.num_prompts, "replicas": args.replicas,

@@ -176,7 +176,9 @@ def print_table(report: dict) -> None:
     threads = f"{cfg['threads']} torch thread{'s' if cfg['threads'] != 1 else ''}"
     spec_names = list(report["results"][0]["systems"]) if report["results"] else []
     print(f"rocdraft bench: {'; '.join(cfg['systems'][n] for n in spec_names)} on "
-          f"{cfg['device']} ({cfg['attention_backend']}, {cfg['dtype']}), {threads}, "
+          f"{cfg['device']} ({cfg['attention_backend']}, {cfg['dtype']}"
+          + (f", {cfg['draft_dtype']} head" if cfg.get("draft_dtype", cfg["dtype"]) != cfg["dtype"]
+             else "") + f"), {threads}, "
           f"{cfg['num_prompts']} prompts x {cfg['max_new_tokens']} new tokens, "
           f"median [min-max] of {cfg['repeat']} repeats"
           + (f", {cfg['replicas']} engines per system" if cfg.get("replicas", 1) > 1 else ""))

@@ -222,7 +222,7 @@ def run_bench_serve(args) -> int:
         raise RocdraftError("rocdraft bench-serve compares against speculative decoding; give "
                             "--draft DIR with --target")
     prompts = _prompts(args)
-    baseline = {"method": "none", "draft": None}
+    baseline = {"method": "none", "draft": None, "draft_dtype": None}
     flags = {"target_only": model_flags(args, **baseline), "speculative": model_flags(args)}
     results = {}
     for name in SYSTEMS:

@@ -120,13 +120,20 @@ def check_sizing(num_kv_blocks, kv_cache_memory, gpu_memory_utilization, on_gpu:
 
 
 def kv_bytes_per_block(block_size: int, element_size: int,
-                       cache_specs: list[tuple[int, int, int]]) -> int:
+                       cache_specs: list[tuple[int, int, int]],
+                       head_element_size: int | None = None) -> int:
     """Bytes one block takes in every cache. ``cache_specs``: (num_layers, num_kv_heads,
-    head_dim) per cache (target first, then the draft head's).
+    head_dim) per cache (target first, then the draft head's); ``head_element_size``: the
+    element size of the caches after the first (a head in another dtype,
+    ``SpeculativeConfig.draft_dtype``), default ``element_size``.
 
-    block_size 16, float32 (4), [(8, 2, 64), (1, 2, 64)] -> 2 * 16 * 4 * 1152 = 147456.
+    block_size 16, float32 (4), [(8, 2, 64), (1, 2, 64)] -> 2 * 16 * 4 * 1152 = 147456;
+    with a bfloat16 head (2): 2 * 16 * (4 * 1024 + 2 * 128) = 139264.
     """
-    return 2 * block_size * element_size * sum(l * h * d for l, h, d in cache_specs)
+    sizes = [element_size] + [element_size if head_element_size is None
+                              else head_element_size] * (len(cache_specs) - 1)
+    return 2 * block_size * sum(size * layers * heads * dim
+                                for size, (layers, heads, dim) in zip(sizes, cache_specs))
 
 
 def blocks_per_request(max_model_len: int, num_lookahead_tokens: int, block_size: int) -> int:

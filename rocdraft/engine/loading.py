@@ -14,6 +14,7 @@ from rocdraft.models.mtp_loader import load_mtp_head
 from rocdraft.models.qwen2_vl import is_vl_checkpoint, load_qwen2_vl, load_vl_config
 from rocdraft.models.rope import reserve_positions
 from rocdraft.models.tokenizer import load_tokenizer
+from rocdraft.platform import TORCH_DTYPES
 from rocdraft.spec_decode.draft_runner import DraftLimits, DraftRunner
 
 
@@ -72,6 +73,21 @@ def load_draft_head(path: str, target, method: str, dtype: torch.dtype, device: 
     return head, selection
 
 
+def head_dtype(spec, engine_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the draft head computes in: ``spec.draft_dtype`` (a SpeculativeConfig), else
+    the engine's. Its weights, activations and KV cache are in it; the target's hidden
+    states, and the target's embedding or lm_head where the head shares them, are cast at
+    the head's edges (models/eagle1.py, models/eagle3.py).
+
+    >>> from rocdraft.config import SpeculativeConfig
+    >>> head_dtype(SpeculativeConfig("eagle3", 4, draft_dtype="bfloat16"), torch.float32)
+    torch.bfloat16
+    >>> head_dtype(SpeculativeConfig("eagle3", 4), torch.float32)
+    torch.float32
+    """
+    return engine_dtype if spec.draft_dtype is None else TORCH_DTYPES[spec.draft_dtype]
+
+
 def load_draft_runner(args, runner, tree, chain_in_tree_mode: bool):
     """Load the draft head (``args.head_dir``: an EAGLE head, or a target's MTP layers)
     beside ``runner`` (the ModelRunner: its target gives the vocabulary tables, its plan the
@@ -89,8 +105,9 @@ def load_draft_runner(args, runner, tree, chain_in_tree_mode: bool):
                                          device)
     # The registry picks the head's backend: the argument, else the env var, else the
     # target's when it can run the draft loop (captured on a GPU), else the first that can.
+    dtype = head_dtype(spec, runner.torch_dtype)
     head, selection = load_draft_head(
-        args.head_dir, vocab_source, spec.method, runner.torch_dtype, device, kind,
+        args.head_dir, vocab_source, spec.method, dtype, device, kind,
         args.block_size, runner.backend.name, args.draft_attention_backend,
         spec.num_speculative_tokens, need_graphs=kind != "cpu" and not spec.enforce_eager,
         arch=runner.arch,
@@ -105,5 +122,5 @@ def load_draft_runner(args, runner, tree, chain_in_tree_mode: bool):
                          cfg.max_blocks_per_seq)
     return DraftRunner(head, selection, spec, tree, limits,
                        runner.target.config.num_hidden_layers, runner.target.config.vocab_size,
-                       runner.torch_dtype, device, args.graph_mode, chain_in_tree_mode,
+                       dtype, device, args.graph_mode, chain_in_tree_mode,
                        graph_pool=runner.graph_pool)

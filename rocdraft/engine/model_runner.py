@@ -32,7 +32,7 @@ from rocdraft.core.step_inputs import StepInputBuffers
 from rocdraft.distributed.engine_setup import start_tensor_parallel, worker_spec
 from rocdraft.drafter.graphs import capture_buckets
 from rocdraft.engine.args import EngineArgs
-from rocdraft.engine.loading import load_target_model
+from rocdraft.engine.loading import head_dtype, load_target_model
 from rocdraft.engine.target_graphs import (TargetGraphRunner, captured_seq_len,
                                            input_bytes_bound, target_graph_refusal)
 from rocdraft.errors import RocdraftError
@@ -94,7 +94,9 @@ class ModelRunner:
             max_model_len=self.max_model_len, num_lookahead_tokens=num_lookahead_tokens,
             bytes_per_block=kv_bytes_per_block(
                 args.block_size, self.torch_dtype.itemsize,
-                [self.target.kv_cache_spec(), *head_cache_specs]),
+                [self.target.kv_cache_spec(), *head_cache_specs],
+                head_dtype(args.speculative_config, self.torch_dtype).itemsize
+                if args.speculative_config is not None else None),
             num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             free_device_memory=None if self.device == "cpu"

@@ -53,6 +53,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "default), 'fixed' always --num-speculative-tokens")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 on the CPU, bfloat16 on a GPU")
+    p.add_argument("--draft-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="the EAGLE head's dtype (default: --dtype). The target verifies "
+                        "every draft, so outputs do not change; bfloat16 beside a float32 "
+                        "target halves the bytes each draft reads")
     p.add_argument("--block-size", type=int, default=16,
                    help="KV-cache block size (FLASH_ATTN needs a multiple of 256)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
@@ -141,12 +145,18 @@ def make_llm_kwargs(args) -> dict:
         spec = SpeculativeConfig(method=method, num_speculative_tokens=args.num_speculative_tokens,
                                  enforce_eager=args.enforce_eager,
                                  max_draft_tokens_per_step=args.max_draft_tokens_per_step,
+                                 draft_dtype=args.draft_dtype,
                                  **policy, **tree_kwargs(args))
     elif tree_kwargs(args):
         from rocdraft.errors import RocdraftError
 
         raise RocdraftError(f"{', '.join(tree_flags_given(args))} draft a token tree, which "
                             f"needs --method eagle, eagle3 or mtp (got --method none)")
+    elif args.draft_dtype:
+        from rocdraft.errors import RocdraftError
+
+        raise RocdraftError(f"--draft-dtype {args.draft_dtype} sets the draft head's dtype, "
+                            f"which needs --method eagle or eagle3 (got --method none)")
     import torch
 
     on_gpu = args.device == "cuda" or (args.device is None and torch.cuda.is_available())
