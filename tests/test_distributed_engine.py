@@ -105,6 +105,22 @@ def test_speculative_tp2_equals_tp1(pair, reference, method, monkeypatch):
     assert len(pids) == 1 and llm.model_runner.executor.worker_exit_codes == [0]
 
 
+def test_a_bfloat16_head_under_tp2_equals_tp1(pair, reference):
+    """draft_dtype under TP: the head (EAGLE-1, whose logits come from the target's lm_head)
+    runs in bfloat16 on rank 0 over float32 whole vocabulary tables, cast at its edges; the
+    sharded target stays float32, and the tokens are TP 1 target-only's."""
+    spec = SpeculativeConfig("eagle", 3, draft_policy="fixed", draft_dtype="bfloat16")
+    with _llm(pair["target"], pair["eagle"], spec, tensor_parallel_size=2,
+              max_num_seqs=4) as llm:
+        head = llm.draft_runner.head
+        assert head.fc.weight.dtype == torch.bfloat16
+        assert head.lm_head.weight.dtype == head.embed_tokens.weight.dtype == torch.float32
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == reference["greedy"]
+        assert llm.last_stats.acceptance_length > 1.5
+        assert _tokens(llm.generate(PROMPTS, SEEDED)) == reference["seeded"]
+    assert_no_children()
+
+
 @pytest.mark.parametrize("tree", [dict(speculative_token_tree="[(0,), (1,), (0, 0), (0, 1), (1, 0)]"),
                                   dict(tree_depth=3, tree_top_k=2, tree_total_tokens=6)],
                          ids=["static", "dynamic"])
