@@ -46,16 +46,17 @@ rows x out floats, and q/k/v weight-first with it still beat ``F.linear``: bs-1 
 3.94 ms). Each output element is the same dot product in another kernel, so values differ
 from ``F.linear`` only by rounding (float32: ~1e-6 relative). Only CPU float32 and bfloat16
 forwards outside ``torch.compile`` are dispatched; GPU forwards, float16 and compiled regions
-run ``F.linear`` unchanged.
+run ``F.linear`` unchanged. What this proves is this machine's library: another CPU (an Intel
+part, a future MKL) may rank the forms differently, which ``scripts/bench_linear_forms.py``
+measures.
 
 bfloat16 (a head with ``SpeculativeConfig.draft_dtype="bfloat16"``, or a bfloat16 engine):
 every CPU linear with rows runs oneDNN on the packed copy where oneDNN is on, else
 ``F.linear``. torch's bf16 ``F.linear`` made the built-in EAGLE-3 head's draft phase slower
 than float32 (1.38 -> 1.56 s over 8 prompts x 64 tokens, 1 thread); oneDNN on this AMD EPYC
 (AVX512-BF16) runs the head's seven weights, caches flushed, in 284 us against 405 for
-float32 at 1 row, 335 against 521 at 5, 387 against 609 at 8 and 808 against 1428 at 40. What this proves is this machine's library: another CPU (an Intel
-part, a future MKL) may rank the forms differently, which ``scripts/bench_linear_forms.py``
-measures.
+float32 at 1 row, 335 against 521 at 5, 387 against 609 at 8 and 808 against 1428 at 40. A
+CPU without native bf16 dot products has oneDNN emulate them: not measured.
 """
 from __future__ import annotations
 
@@ -182,8 +183,8 @@ def run_form(form: str, x: torch.Tensor, weight: torch.Tensor,
 def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                contiguous_rows: bool = False) -> torch.Tensor:
     """x [rows, in_features] @ weight [out_features, in_features].T (+ bias) -> [rows,
-    out_features], on the CPU in float32 as ``linear_form`` picks (see the module
-    docstring), elsewhere ``F.linear``."""
+    out_features], on the CPU in float32 as ``linear_form`` picks and in bfloat16 through
+    oneDNN (see the module docstring), elsewhere ``F.linear``."""
     # is_compiling first: a comparison of the symbolic row count would add a guard.
     if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)

@@ -175,10 +175,10 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     threads = f"{cfg['threads']} torch thread{'s' if cfg['threads'] != 1 else ''}"
     spec_names = list(report["results"][0]["systems"]) if report["results"] else []
+    head = cfg.get("draft_dtype", cfg["dtype"])  # (reports written before it: the engine's)
+    head = f", {head} head" if head != cfg["dtype"] else ""
     print(f"rocdraft bench: {'; '.join(cfg['systems'][n] for n in spec_names)} on "
-          f"{cfg['device']} ({cfg['attention_backend']}, {cfg['dtype']}"
-          + (f", {cfg['draft_dtype']} head" if cfg.get("draft_dtype", cfg["dtype"]) != cfg["dtype"]
-             else "") + f"), {threads}, "
+          f"{cfg['device']} ({cfg['attention_backend']}, {cfg['dtype']}{head}), {threads}, "
           f"{cfg['num_prompts']} prompts x {cfg['max_new_tokens']} new tokens, "
           f"median [min-max] of {cfg['repeat']} repeats"
           + (f", {cfg['replicas']} engines per system" if cfg.get("replicas", 1) > 1 else ""))

@@ -35,7 +35,7 @@ def prepare_environment() -> None:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model, speculative and KV-cache sizing flags (the same for every subcommand)."""
-    from rocdraft.config import DRAFT_POLICIES
+    from rocdraft.config import DRAFT_POLICIES, DTYPES
 
     p.add_argument("--target", help="target model directory (default: the built-in pair)")
     p.add_argument("--draft", help="EAGLE head directory (default: the built-in pair's)")
@@ -53,10 +53,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "default), 'fixed' always --num-speculative-tokens")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 on the CPU, bfloat16 on a GPU")
-    p.add_argument("--draft-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    p.add_argument("--draft-dtype", choices=DTYPES, default=None,
                    help="the EAGLE head's dtype (default: --dtype). The target verifies "
                         "every draft, so outputs do not change; bfloat16 beside a float32 "
-                        "target halves the bytes each draft reads")
+                        "target halves the bytes of the head's own weights")
     p.add_argument("--block-size", type=int, default=16,
                    help="KV-cache block size (FLASH_ATTN needs a multiple of 256)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
