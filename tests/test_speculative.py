@@ -127,9 +127,9 @@ def test_a_bfloat16_head_beside_a_float32_target_stays_lossless(
     assert runner.head.embed_tokens.weight.dtype == torch.float32  # the target's, shared
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert llm.last_stats.acceptance_length > 1.5
-    assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == seeded_reference
-    assert llm.last_stats.acceptance_length > 1.5
-    if tree is None:
+    if tree is None:  # (seeded once: the tree's levels run the same casts as the chain)
+        assert_some_accepted_some_rejected(llm.last_stats, 3)
+        assert [o.token_ids for o in llm.generate(PROMPTS, SEEDED)] == seeded_reference
         assert_some_accepted_some_rejected(llm.last_stats, 3)
 
 
