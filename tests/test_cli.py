@@ -6,6 +6,7 @@ sources, speculative methods lossless, per-request failures), ``backends``, and 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -853,3 +854,31 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_nothing(ckpt, tmp_path, com
     assert err.rstrip("\n").split("\n")[-1] == "rocdraft: interrupted", err
     assert out == ""
     assert list(tmp_path.iterdir()) == []  # no plot, no temporary file
+
+
+def test_a_torchrun_rank_ends_its_process_after_the_command(tmp_path):
+    """Launched by torchrun (its env:// variables, WORLD_SIZE 2), ``rocdraft`` ends the
+    process with the command's exit code once its output is flushed, skipping the
+    interpreter's teardown (where gloo's threads could abort a finished run): an atexit
+    handler never runs. Without torchrun, or called with argv (in-process), it returns."""
+    from rocdraft.entrypoints.cli import ends_the_process
+
+    script = ("import atexit, sys\n"
+              "atexit.register(lambda: print('teardown ran'))\n"
+              "from rocdraft.entrypoints.cli import main\n"
+              "sys.argv = ['rocdraft'] + sys.argv[1:]\n"
+              "sys.exit(main())\n")
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29999"}
+    assert ends_the_process(torchrun) and not ends_the_process({})
+    for env, teardown in ((torchrun, False), ({}, True)):
+        for argv, code in ((["backends", "--json"], 0), (["generate"], 2)):
+            done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True,
+                                  text=True, timeout=120, cwd=tmp_path,
+                                  env={**os.environ, **env})
+            assert done.returncode == code, done.stderr[-2000:]
+            assert ("teardown ran" in done.stdout) is teardown, (env, argv)
+            if code == 0:
+                assert json.loads(done.stdout.replace("teardown ran", ""))  # flushed whole
+            else:
+                assert done.stderr.startswith("rocdraft: error:"), done.stderr

@@ -9,6 +9,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import re
 import sys
 import time
@@ -116,11 +117,42 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``rocdraft`` command; ``argv`` None: the process's own arguments (the console
+    script, ``python -m``), and then a torchrun rank ends the process here
+    (``ends_the_process``)."""
     try:
-        return _main(argv)
+        code = _main(argv)
     except KeyboardInterrupt:
         print("rocdraft: interrupted", file=sys.stderr)
-        return INTERRUPTED_EXIT_CODE
+        code = INTERRUPTED_EXIT_CODE
+    if argv is None and ends_the_process(os.environ):
+        # As the other torchrun ranks end (rocdraft/distributed/executor.py): the
+        # interpreter's teardown could destroy gloo's C++ threads still joinable and turn a
+        # finished run into a SIGABRT ("terminate called without an active exception":
+        # rank 0 of test_torchrun_launch_equals_tp1 once in a full run on a loaded 2-core VM).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def ends_the_process(environ) -> bool:
+    """Whether the command ends its process with ``os._exit`` once it is done: a rank of a
+    torchrun launch of 2 or more processes (every env:// variable set, WORLD_SIZE > 1).
+
+    >>> ends_the_process({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+    ...                   "MASTER_PORT": "29500"})
+    True
+    >>> ends_the_process({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+    ...                   "MASTER_PORT": "29500"}), ends_the_process({"WORLD_SIZE": "2"})
+    (False, False)
+    """
+    if not all(k in environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return False
+    try:
+        return int(environ["WORLD_SIZE"]) > 1
+    except ValueError:
+        return False
 
 
 def _main(argv: list[str] | None) -> int:
