@@ -48,6 +48,7 @@ from rocdraft.distributed import messages as msg
 from rocdraft.distributed.group import (BACKENDS, DEFAULT_TIMEOUT_S, HOST, ParallelGroup,
                                         default_backend, free_port, init_process_group,
                                         make_group, open_store)
+from rocdraft.distributed.launch_env import torchrun_rank
 from rocdraft.distributed.layers import CommCounter
 from rocdraft.distributed.worker import WorkerSpec, spawned_worker, torchrun_worker
 from rocdraft.distributed.worker_health import WorkerWatch, dead_ranks, kill
@@ -56,13 +57,6 @@ from rocdraft.errors import RocdraftError
 log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 1800.0  # spawned workers loading their shards (no collective is waiting)
-
-
-def torchrun_rank() -> tuple[int, int] | None:
-    """(rank, world_size) when launched by torchrun (or any env:// launcher), else None."""
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
 
 
 def check_backend(backend: str | None, device: str) -> str:

@@ -147,12 +147,13 @@ def ends_the_process(environ) -> bool:
     ...                   "MASTER_PORT": "29500"}), ends_the_process({"WORLD_SIZE": "2"})
     (False, False)
     """
-    if not all(k in environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return False
+    from rocdraft.distributed.launch_env import torchrun_rank
+
     try:
-        return int(environ["WORLD_SIZE"]) > 1
-    except ValueError:
+        launched = torchrun_rank(environ)
+    except ValueError:  # not torchrun's numbers: nothing this command started
         return False
+    return launched is not None and launched[1] > 1
 
 
 def _main(argv: list[str] | None) -> int:
