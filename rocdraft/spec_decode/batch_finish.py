@@ -240,10 +240,10 @@ def _group_moments(rates: list[float], k: int, rho: float, sd: float
                    ) -> tuple[list[float], list[float], list[float]]:
     """(means, variances, slopes) per d = 0..k for requests of scale ``rho`` with scale error
     ``sd``: ``tokens_per_step`` at rates ``min(rho * alpha, 1)``, and sd times dm / drho by a
-    central difference of SLOPE_STEP (all 0 when sd is 0). One pass over the rates for the
-    three scales: the same arithmetic as three ``tokens_per_step`` calls (the outlook runs
-    this for every request group at every fresh decision: in the engine 0.1 ms a call at bs
-    8 before, docs/draft-policy.md, eleventh session).
+    central difference of SLOPE_STEP (all 0 when sd is 0), in one pass over the rates for
+    rho and rho +- SLOPE_STEP (the outlook runs this for every request group at every fresh
+    decision: 0.1 ms a call in the engine at bs 8 with three passes, docs/draft-policy.md,
+    eleventh session).
 
     >>> _group_moments([0.5, 0.5], 2, 1.0, 0.0)
     ([1.0, 1.5, 1.75], [0.0, 0.25, 0.6875], [0.0, 0.0, 0.0])
@@ -340,17 +340,13 @@ def tokens_per_step(rates: list[float], max_drafts: int) -> tuple[list[float], l
     rates[0] * ... * rates[j - 1], so E A = sum_{j<=d} P(A >= j) and E A^2 =
     sum_{j<=d} (2j - 1) P(A >= j).
 
+    The outlook computes them with its slopes in one pass (``_group_moments``, of which
+    this is the scale-1 case).
+
     >>> tokens_per_step([0.5, 0.5], 2)  # d = 2: A = 0, 1, 2 with 1/2, 1/4, 1/4
     ([1.0, 1.5, 1.75], [0.0, 0.25, 0.6875])
     """
-    survive, first, second = 1.0, 0.0, 0.0
-    means, variances = [1.0], [0.0]
-    for j, alpha in enumerate(rates[:max_drafts], start=1):
-        survive *= alpha
-        first += survive
-        second += (2 * j - 1) * survive
-        means.append(1.0 + first)
-        variances.append(max(second - first * first, 0.0))
+    means, variances, _ = _group_moments(rates, max_drafts, 1.0, 0.0)
     return means, variances
 
 
