@@ -188,9 +188,8 @@ def run_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     # is_compiling first: a comparison of the symbolic row count would add a guard.
     if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
-    if x.dtype == torch.bfloat16:  # oneDNN's bf16 linear, else torch's (see the docstring)
-        return run_form(ONEDNN, x, weight, bias) if onednn_enabled() and x.shape[0] > 0 \
-            else F.linear(x, weight, bias)
+    if x.dtype == torch.bfloat16 and x.shape[0] > 0 and onednn_enabled():
+        return run_form(ONEDNN, x, weight, bias)  # (see the docstring)
     if x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     return run_form(linear_form(x.shape[0], weight.shape[0], weight.shape[1], onednn_enabled()),
