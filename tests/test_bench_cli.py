@@ -528,6 +528,73 @@ def test_policy_verdict_holds_out_the_rounds_that_choose_the_best():
         verdict["vs_best_fixed_held_out"] == 0.9
 
 
+def test_the_paired_verdict_carries_an_interval_that_tells_a_gap_from_noise(capsys):
+    """With 4 rounds or more the verdict carries the paired figure's bootstrap interval: a
+    default as fast as the best under 5% noise reads an interval around 1; one 2% slower in
+    every round, with 1% noise, an interval below 1 (the gap is its own); a default exactly
+    0.9x reads (0.9, 0.9); with 3 rounds there is no interval. The table prints it."""
+    import random
+
+    from rocdraft.bench.bench_report import policy_verdict, print_table
+
+    rng = random.Random(5)
+    fixed = [100 * rng.gauss(1.0, 0.05) for _ in range(21)]
+    even = {"cost": [f * rng.gauss(1.0, 0.05) for f in fixed], "fixed_1": fixed}
+    lo, hi = policy_verdict(even, "cost", ["fixed_1"])["vs_best_fixed_paired_interval"]
+    assert lo < 1.0 < hi and hi - lo < 0.1
+    slower = {"cost": [0.98 * f * rng.gauss(1.0, 0.01) for f in fixed], "fixed_1": fixed}
+    verdict = policy_verdict(slower, "cost", ["fixed_1"])
+    lo, hi = verdict["vs_best_fixed_paired_interval"]
+    assert lo <= verdict["vs_best_fixed_paired"] <= hi < 1.0
+    exact = {"cost": [0.9 * f for f in fixed], "fixed_1": fixed}
+    assert policy_verdict(exact, "cost", ["fixed_1"])["vs_best_fixed_paired_interval"] == \
+        [0.9, 0.9]
+    three = {"cost": fixed[:3], "fixed_1": fixed[:3]}
+    assert policy_verdict(three, "cost", ["fixed_1"])["vs_best_fixed_paired_interval"] is None
+
+    report = {"config": {"threads": 1, "dtype": "float32", "device": "cpu",
+                         "attention_backend": "CPU_ATTN", "num_prompts": 8,
+                         "max_new_tokens": 64, "repeat": 21, "compare_hf": False,
+                         "systems": {"target_only": "rocdraft target-only",
+                                     "cost": "rocdraft eagle3 chain k=1 (cost)",
+                                     "fixed_1": "rocdraft eagle3 chain k=1 (fixed)"}},
+              "results": [{"batch_size": 8, "num_prompts": 8,
+                           "tokens_per_s": {"target_only": {"median": 1.0, "min": 1.0,
+                                                            "max": 1.0}},
+                           "systems": {}, "policy_verdict": verdict}]}
+    print_table(report)
+    lo, hi = verdict["vs_best_fixed_paired_interval"]
+    assert f"paired per repeat (90% interval {lo:.3f}-{hi:.3f})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("values, level, fragment", [
+    ([], 0.9, "at least one value"), ([1.0], 1.0, "got 1.0"), ([1.0], 0.0, "got 0.0")])
+def test_median_interval_bad_values(values, level, fragment):
+    from rocdraft.bench.bench_report import median_interval
+
+    with pytest.raises(ValueError, match=fragment):
+        median_interval(values, level)
+
+
+def test_median_interval_properties():
+    """For any rounds: the interval lies within the values, holds their median, does not
+    depend on anything but its arguments, and a wider level gives a wider interval."""
+    from hypothesis import given, strategies as st
+
+    from rocdraft.bench.bench_report import median_interval
+    import statistics
+
+    @given(st.lists(st.floats(0.5, 1.5), min_size=4, max_size=40))
+    def check(values):
+        lo, hi = median_interval(values)
+        assert min(values) <= lo <= statistics.median(values) <= hi <= max(values)
+        assert median_interval(values) == (lo, hi)
+        wide = median_interval(values, level=0.98)
+        assert wide[0] <= lo and hi <= wide[1]
+
+    check()
+
+
 def test_policy_systems_for_chain_and_tree_configs():
     import argparse
 

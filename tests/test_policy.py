@@ -221,15 +221,15 @@ def test_tree_steps_give_the_chains_realized_times_no_sample():
     assert kept_seconds(bucket.draft) == {d: [0.004]}
 
 
-def test_a_decision_is_repeated_for_a_few_steps_but_never_a_probe_or_near_the_end():
+def test_a_decision_is_repeated_for_a_few_steps_but_never_a_probe_or_a_new_cap():
     """DECIDE_EVERY: a chain config's cost policy decides afresh every 4th step of one batch
     size and cap and repeats its choice in between (counted as policy steps, so probes keep
     their spacing); a probe drafts its count once, and so does a decision while a request
-    of an outlook has verified no draft; within NEAR_END full steps of a request's end (an
-    outlook) every step decides; steps observed meanwhile are folded in before the next
-    fresh decision (``defer_observations``)."""
+    of an outlook has verified no draft; near a batch's end it decides afresh when the cap
+    the tokens left allow changes (``useful_drafts``), not every step; steps observed
+    meanwhile are folded in before the next fresh decision (``defer_observations``)."""
     from rocdraft.spec_decode.batch_finish import BatchOutlook
-    from rocdraft.spec_decode.policy import DECIDE_EVERY, NEAR_END
+    from rocdraft.spec_decode.policy import DECIDE_EVERY
 
     p = policy(draft_costs=(0.010, 0.0005, 0.0005, 0.0002, 0.0012))
     timer, fresh = p.given_times, []
@@ -248,16 +248,28 @@ def test_a_decision_is_repeated_for_a_few_steps_but_never_a_probe_or_near_the_en
     assert probes and all(chosen[i + 1] != chosen[i] for i in probes if i + 1 < len(chosen))
     # one decision in DECIDE_EVERY, and one more after each probe
     assert len(fresh) <= 400 / DECIDE_EVERY + 2 * len(probes) < 400 / 2
-    # near a request's end: every step decides
-    fresh.clear()
-    near = BatchOutlook(("a",), (NEAR_END * (4 + 1),))
-    for _ in range(8):
-        p.num_drafts(1, near)
-    assert len(fresh) == 8
+    # a lone request 20 tokens from its end repeats as anywhere else (a new policy: no
+    # probe is due in its first MIN_PROBE_INTERVAL = 32 steps) ...
+    lone = policy(draft_costs=(0.010, 0.0005, 0.0005, 0.0002, 0.0012))
+    lone_fresh = []
+    lone_decide = lone.given_times.decide
+
+    def lone_counting(*args, **kwargs):
+        lone_fresh.append(lone_decide(*args, **kwargs))
+        return lone_fresh[-1]
+
+    lone.given_times.decide = lone_counting
+    for _ in range(2 * DECIDE_EVERY):
+        lone.num_drafts(1, BatchOutlook(("a",), (20,)))
+    assert len(lone_fresh) == 2
+    # ... and decides afresh on every step whose tokens left cap its drafts anew
+    for left in (5, 4, 3, 2):  # useful_drafts 3, 2, 1, 0 (0 decides nothing: no drafts)
+        lone.num_drafts(1, BatchOutlook(("a",), (left,)))
+    assert len(lone_fresh) == 5
     # nor while a request of the outlook has verified no draft (a batch's first steps):
     # its acceptance is the pooled rates' until then
     fresh.clear()
-    far = BatchOutlook(("a", "b"), (10 * NEAR_END * (4 + 1),) * 2)
+    far = BatchOutlook(("a", "b"), (200,) * 2)
     for _ in range(3):
         p.num_drafts(2, far)
     p.request_acceptance.observe(["a"], [2], [1])

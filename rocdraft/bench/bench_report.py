@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import statistics
 import tempfile
+
+# The paired ratio's interval: percentile bootstrap over rounds, fixed draws and seed (the
+# same runs always print the same interval).
+INTERVAL_LEVEL = 0.9
+INTERVAL_DRAWS = 2000
 
 
 def spread(values: list[float]) -> dict:
@@ -30,6 +36,12 @@ def policy_verdict(tps: dict[str, list[float]], default: str, fixed: list[str]) 
       of the two ratios. No round both chooses and judges, so noise cannot pick a winner that
       then wins.
 
+    ``vs_best_fixed_paired_interval`` (4 rounds or more): where the paired figure would land
+    if the rounds were run again (``median_interval``). It counts the noise of the rounds, and
+    with ``--replicas`` the spread between identical engines; not the winner's curse of
+    choosing the best on the same rounds, which the held-out figure avoids. A gap the
+    interval excludes is the default's own, not noise.
+
     ``vs_target_only``: the default's median over target-only's (where it ran).
 
     Two fixed configs that trade places round by round, each 118-118.5 by median:
@@ -47,11 +59,14 @@ def policy_verdict(tps: dict[str, list[float]], default: str, fixed: list[str]) 
     medians = {name: statistics.median(tps[name]) for name in (default, *fixed)}
     best = max(fixed, key=lambda name: medians[name])
     rounds = len(tps[default])
-    paired = statistics.median(a / b for a, b in zip(tps[default], tps[best]))
+    per_round = [a / b for a, b in zip(tps[default], tps[best])]
     verdict = {"default": default, "best_fixed": best,
                "vs_best_fixed": round(medians[default] / medians[best], 3),
-               "vs_best_fixed_paired": round(paired, 3), "vs_best_fixed_held_out": None}
+               "vs_best_fixed_paired": round(statistics.median(per_round), 3),
+               "vs_best_fixed_held_out": None, "vs_best_fixed_paired_interval": None}
     if rounds >= 4:
+        verdict["vs_best_fixed_paired_interval"] = [round(x, 3)
+                                                    for x in median_interval(per_round)]
         halves = (range(0, rounds, 2), range(1, rounds, 2))
 
         def median_of(name: str, rounds_of: range) -> float:
@@ -171,6 +186,29 @@ def merge_stats(acc, stats) -> dict:
     return acc
 
 
+def median_interval(values: list[float], level: float = INTERVAL_LEVEL,
+                    draws: int = INTERVAL_DRAWS, seed: int = 0) -> tuple[float, float]:
+    """The ``level`` percentile-bootstrap interval of the median of ``values``: the medians
+    of ``draws`` resamples (with replacement, as many as ``values``, from a generator seeded
+    with ``seed``), cut at (1 - level) / 2 from each end. Deterministic for given arguments.
+
+    >>> median_interval([1.0] * 6)
+    (1.0, 1.0)
+    >>> lo, hi = median_interval([0.97, 0.98, 0.99, 1.0, 0.96, 0.98, 0.99, 0.97])
+    >>> lo <= 0.98 <= hi, hi < 1.0  # every round below 1: so is the interval
+    (True, True)
+    """
+    if not values:
+        raise ValueError("median_interval needs at least one value")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(draws))
+    cut = int((1.0 - level) / 2 * draws)
+    return medians[cut], medians[draws - 1 - cut]
+
+
 def print_table(report: dict) -> None:
     cfg = report["config"]
     threads = f"{cfg['threads']} torch thread{'s' if cfg['threads'] != 1 else ''}"
@@ -215,9 +253,12 @@ def print_table(report: dict) -> None:
         if "policy_verdict" in r:
             v = r["policy_verdict"]
             held = v["vs_best_fixed_held_out"]
+            interval = v.get("vs_best_fixed_paired_interval")  # (reports written before it)
             print(f"       {cfg['systems'][v['default']]} / the best fixed "
                   f"({cfg['systems'][v['best_fixed']]}): {v['vs_best_fixed']:.3f} by "
                   f"medians, {v['vs_best_fixed_paired']:.3f} paired per repeat"
+                  + (f" ({INTERVAL_LEVEL:.0%} interval {interval[0]:.3f}-{interval[1]:.3f})"
+                     if interval else "")
                   + (f", {held:.3f} with the best chosen on the other half of the repeats"
                      if held is not None else "")
                   + (f"; {v['vs_target_only']:.3f}x target-only"

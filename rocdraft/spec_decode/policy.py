@@ -47,11 +47,12 @@ from rocdraft.spec_decode.tree_budget import TreeAcceptanceEstimate, choose_node
 
 SURE_SCALE = 2.0  # standard errors off 1 a lone request's scale must read to be used
 # A chain config's cost policy decides afresh every DECIDE_EVERY-th step of one batch size
-# and cap, and repeats its last decision in between (``num_drafts``).
+# and cap, and repeats its last decision in between (``num_drafts``). Near a batch's end it
+# decides afresh as often as the batch size or the cap (``useful_drafts``) changes, and no
+# more: deciding every step once a request was within 4 full steps of its end changed the
+# batch simulations by -0.4% to +0.8% of their time and cost 0.4-0.8% of a bs 8 run on the
+# built-in pair (docs/draft-policy.md, twelfth session).
 DECIDE_EVERY = 4
-# ... but every step once a request of an outlook is within NEAR_END full steps of its end
-# (the batch's finish time moves with each step's tokens there)
-NEAR_END = 4
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,6 @@ class DraftPolicy:
         timer = self.realized_times if self.realized_times is not None else self.given_times
         decision = (batch_size, cap, outlook is not None)
         if self.decided_for == decision and self.repeats < DECIDE_EVERY - 1 \
-                and (outlook is None or min(outlook.remaining) > NEAR_END * (cap + 1)) \
                 and not timer.in_sweep(batch_size, cap):
             # Why: the decision reads means of 8 step times and running rates that move a
             # few per cent a step, and deciding runs after the target's forward, with the
