@@ -386,12 +386,57 @@ def test_policy_observe_keeps_each_requests_acceptance_until_it_finishes():
     assert set(policy.request_acceptance.counts) == {"b"}
 
 
-@pytest.mark.parametrize("spec", [
-    SpeculativeConfig("eagle3", K, draft_policy="fixed"),
-    SpeculativeConfig("eagle3", K, speculative_token_tree="[(0,), (1,), (0, 0)]"),
-], ids=["fixed", "tree"])
-def test_no_outlook_without_the_chain_cost_policy(spec):
-    assert not DraftPolicy(spec, spec.draft_tree()).wants_outlook
+@pytest.mark.parametrize("spec, wants", [
+    (SpeculativeConfig("eagle3", K, draft_policy="fixed"), False),
+    (SpeculativeConfig("eagle3", K, speculative_token_tree="[(0,), (1,), (0, 0)]",
+                       draft_policy="fixed"), False),
+    # a tree config's cost policy may draft chains: they read the outlook
+    (SpeculativeConfig("eagle3", K, speculative_token_tree="[(0,), (1,), (0, 0)]"), True),
+    (SpeculativeConfig("eagle3", K, tree_depth=3, tree_top_k=2, tree_total_tokens=6), True),
+    (SpeculativeConfig("eagle3", K, tree_depth=3, tree_top_k=2, tree_total_tokens=6,
+                       draft_costs=(0.01, 0.0, 0.0, 0.0, 0.0)), False),  # no chooser
+], ids=["fixed", "tree-fixed", "static-tree-cost", "dynamic-tree-cost", "tree-given-costs"])
+def test_the_outlook_is_read_by_the_cost_policy_where_it_drafts_chains(spec, wants):
+    assert DraftPolicy(spec, spec.draft_tree()).wants_outlook is wants
+
+
+def test_a_tree_configs_chains_finish_the_batch_as_a_chain_configs_do():
+    """A tree config's chains (its tree-or-chain chooser picked "chain") decide on the
+    batch's outlook as a chain config's cost policy does: on the built-in pair's bs 8 step
+    times, where the per-step objective drafts 3 and finishing the batch soonest drafts 1
+    (test_a_new_batchs_unknown_scales_spread_its_finish), both pick 1 for a new batch, and
+    the tree config's chains never draft more than the tokens left can use."""
+    full = [5.41, 8.06, 11.25, 12.81, 15.3]  # ms, T(8, d)
+    verify = [0.001 * (4.1 + 0.165 * 8 * (v + 1)) for v in range(K + 1)]
+    draft = [0.001 * t - v for t, v in zip(full, verify)]
+    prior = StepCosts(0.0041, 0.000165, 0.0, 0.0, 0.0)
+    tree_spec = SpeculativeConfig("eagle3", K, tree_depth=K, tree_top_k=2,
+                                  tree_total_tokens=8)
+    tree = DraftPolicy(tree_spec, tree_spec.draft_tree())
+    chain = DraftPolicy(SpeculativeConfig("eagle3", K), None)
+    tree.add_costs(True, 8, prior)
+    chain.add_costs(True, 8, prior)
+    keys = tuple(f"r{i}" for i in range(8))
+    # every count sampled at these times (the sweep's steps), acceptance 0.8 at each position
+    for timer in (tree.chain_times, chain.realized_times):
+        for d in range(1, K + 1):
+            for _ in range(3):
+                timer.record(8, d, d, verify[d], draft[d], prior)
+    for p in (tree, chain):
+        for j in range(K):
+            p.acceptance.accepted[j], p.acceptance.verified[j] = 8.0 * 0.8, 8.0
+        p.acceptance._rates = None
+    for timer in (tree.chain_times, chain.realized_times):
+        timer._bucket(8).steps = 100  # past the sweep; probes are not due (drafted just now)
+        timer._bucket(8).last = {d: 100 for d in range(K + 1)}
+    new_batch = BatchOutlook(keys, (62,) * 8)
+    per_step = tree.chain_times.step_times(8, prior, K)
+    assert best_num_drafts(per_step, tree.acceptance.rates, 1) == 3
+    assert tree.chain_drafts_in_tree_mode(8, new_batch) == 1
+    assert chain.num_drafts(8, new_batch) == 1
+    assert tree.chain_drafts_in_tree_mode(8) == 3  # without an outlook: per step
+    # two tokens left for the longest request: nothing past one draft is of use
+    assert tree.chain_drafts_in_tree_mode(8, BatchOutlook(keys, (3,) * 8)) == 1
 
 
 def test_the_modules_examples():

@@ -239,7 +239,8 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree, monkeypat
     assert set(llm.policy.chain_step_costs) == {1, 2, 4}  # the chain's costs, measured per bucket
     nodes = {}
     # From here the engine's clock is pinned: every step takes the same time, whatever it
-    # drafts (drafting free), so the chains' realized times pick min(k, depth) = 3.
+    # drafts (drafting free), so the chains' realized times pick min(k, depth) = 3 (and
+    # fewer where the tokens left cannot use 3).
     pin_clock(monkeypatch, llm, per_draft=0.0, sweep=False)
     for faster in ("chain", "tree"):  # one shape far faster
         force(llm.policy.shape_chooser, faster)
@@ -252,7 +253,9 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree, monkeypat
                                                else 0)
         if faster == "chain":  # a chain, not a flat tree: drafts past depth 1 are accepted
             assert sum(stats.accepted_at_position[1:]) > 0, stats.accepted_at_position
-    assert nodes["chain"] == 3 and nodes["tree"] > 4, nodes  # trees of up to 7 nodes
+    # chains of min(k, depth) = 3 but where a batch's last tokens have use for fewer
+    # (``useful_drafts``: these requests end at known lengths); trees of up to 7 nodes
+    assert 2.5 < nodes["chain"] < 3 and nodes["tree"] > 4, nodes
     # Every draft past the first costs 1 s although the start-up costs say drafting is free:
     # after the sweep (3, 3, 2, 2, 1, 1 per bucket) the realized times pick chains of 1
     # (the start-up costs alone drafted 3 on every step).
@@ -263,7 +266,9 @@ def test_engine_measures_both_shapes_and_drafts_the_faster(pair, tree, monkeypat
     stats = llm.last_stats
     assert stats.num_verified_nodes / stats.num_verify_steps < 1.1  # chains of 1
     assert stats.acceptance_length > 1.3
-    assert llm.policy._chain_policy_drafts(4) == llm.policy._chain_policy_drafts(1) == 1
+    # (bucket 1 holds only a run's last steps here, whose chains the tokens left cap: it
+    # never samples longer ones, so its estimate stays the start-up costs')
+    assert llm.policy._chain_policy_drafts(4) == 1
 
 
 def ops_per_step(monkeypatch, llm) -> tuple[list, list[int], list[int]]:
@@ -309,7 +314,8 @@ def test_a_chain_step_in_tree_mode_does_the_chain_configs_work(pair, monkeypatch
     tree = LLM(target, head, SpeculativeConfig("eagle3", 3, speculative_token_tree=STATIC),
                graph_mode="replay-eagerly")
     monkeypatch.setattr(tree.policy, "shape", lambda batch_size: "chain")
-    monkeypatch.setattr(tree.policy, "chain_drafts_in_tree_mode", lambda batch_size: 3)
+    monkeypatch.setattr(tree.policy, "chain_drafts_in_tree_mode",
+                        lambda batch_size, outlook=None: 3)
     chain_out, chain_ops, chain_replays = ops_per_step(monkeypatch, chain)
     tree_out, tree_ops, tree_replays = ops_per_step(monkeypatch, tree)
     assert chain_out == tree_out == reference

@@ -272,14 +272,15 @@ class LLMEngine:
         sampled, verified_tree = runner.verify(logits, batch, scheduled)
         t3, w3 = runner.clock(), runner.work_clock()
         has_prefill = has_prefill_tokens(scheduled)
+        outlook = batch_outlook(scheduled, scheduler, self.max_model_len) \
+            if policy is not None and policy.wants_outlook else None
         num_drafts = 0 if policy is None else policy.num_drafts(
-            len(scheduled), batch_outlook(scheduled, scheduler, self.max_model_len)
-            if policy.wants_outlook else None, prefill=has_prefill)
+            len(scheduled), outlook, prefill=has_prefill)
         drafts, shape = None, None
         if num_drafts or (drafter is not None and has_prefill):
             drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts,
                                           plan if drafter.shares_plan_with(runner.backend)
-                                          else None)
+                                          else None, outlook)
         t4, w4 = runner.clock(), runner.work_clock()
         host = read_step(sampled, drafts, verified_tree, scheduled, policy)
         results = apply_step(scheduler, scheduled, batch.samples, host.sampled, host.drafts,
@@ -324,12 +325,15 @@ class LLMEngine:
 
         return Drafting(drafter.aux_layer_ids, lookahead, num_drafts, propose, observe)
 
-    def _propose(self, batch, sampled, out, verified_tree, num_drafts: int, target_plan):
+    def _propose(self, batch, sampled, out, verified_tree, num_drafts: int, target_plan,
+                 outlook=None):
         """The next step's drafts -> (ChainDrafts or TreeDrafts, the shape a tree config
         drafted or None): a chain config drafts max(num_drafts, 1) (a prompt-only step
         still runs the head's first forward, which keeps its cache in step with the
-        target's); a tree config the shape and budget its policy picks. target_plan: the
-        target's attention plan of ``batch`` for the head to reuse, or None."""
+        target's); a tree config the shape and budget its policy picks (its chains read the
+        batch's ``outlook``, rocdraft/engine/request_updates.py ``batch_outlook``).
+        target_plan: the target's attention plan of ``batch`` for the head to reuse, or
+        None."""
         drafter, policy, batch_size = self.draft_runner, self.policy, len(batch.samples)
         hidden = drafter.head_features(out)
         graphs = self.model_runner.graphs
@@ -339,7 +343,8 @@ class LLMEngine:
         shape = policy.shape(batch_size)
         if shape == "chain":
             return drafter.propose_chain(batch, sampled, hidden,
-                                         policy.chain_drafts_in_tree_mode(batch_size),
+                                         policy.chain_drafts_in_tree_mode(batch_size,
+                                                                          outlook),
                                          verified_tree, target_plan, graphs), shape
         return drafter.propose_tree(batch, sampled, hidden, verified_tree,
                                     policy.tree_budget(batch_size), target_plan,

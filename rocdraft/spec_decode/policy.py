@@ -104,18 +104,19 @@ class DraftPolicy:
         # Chains under the cost policy with given costs: the same decision on those costs.
         self.given_times = RealizedStepTimes(spec.num_speculative_tokens, sweep=False) \
             if cost_policy and spec.draft_costs is not None and tree is None else None
-        # Either of them: each request's own acceptance, for the batch's finish time.
+        # A tree config under the cost policy drafts per batch bucket the tree or a chain of
+        # at most min(k, depth) drafts, whichever measured faster (``shape_chooser``).
+        chooses_shape = tree is not None and cost_policy and spec.draft_costs is None
+        # Either of them, or a tree config's chains: each request's own acceptance, for the
+        # batch's finish time.
         self.request_acceptance = RequestAcceptance() \
-            if cost_policy and tree is None else None
+            if cost_policy and (tree is None or chooses_shape) else None
         # A dynamic tree under the cost policy without a fixed budget: the batch budget of
         # each step comes from the step costs and measured acceptance.
         self.tree_acceptance = TreeAcceptanceEstimate(tree.num_nodes) \
             if isinstance(tree, DynamicTree) and cost_policy \
             and spec.max_draft_tokens_per_step is None else None
-        # A tree config under the cost policy drafts per batch bucket the tree or a chain of
-        # at most min(k, depth) drafts, whichever measured faster.
-        self.shape_chooser = DraftShapeChooser() \
-            if tree is not None and cost_policy and spec.draft_costs is None else None
+        self.shape_chooser = DraftShapeChooser() if chooses_shape else None
         # Its chains: the chain config's rule (realized step times of those chains, at least
         # one draft: the drafter always runs), so a chain step costs a chain config's step.
         self.chain_times = RealizedStepTimes(self._chain_cap(), min_drafts=1) \
@@ -178,21 +179,9 @@ class DraftPolicy:
             return self.drafted_last
         self.flush()
         self.decided_for, self.repeats = decision, 0
-        times = self._step_times(batch_size, costs, cap)
-        fewest = 0  # the fewest drafts the decision may make
-        unseen = False  # an outlook's request has verified no draft yet
-        if outlook is not None and min(outlook.remaining) > 0 \
-                and (batch_size > 1 or self._scale_is_sure(outlook.keys[0])):
-            # T(1, d): these times moved to one request by the prior's shape (bucket 1's
-            # own estimates have few samples where a batch of 8 only passes through)
-            at_size, at_one = (prior_times(costs, b, cap) for b in (batch_size, 1))
-            pooled = self.acceptance.pooled_rate
-            one = [rescale(t, v1 + d1, vb + db) for t, vb, db, v1, d1
-                   in zip(times, *at_size, *at_one)]
-            unseen = not self.request_acceptance.seen_all(outlook.keys)
-            times, fewest = outlook_step_times(times, one, batch_size, self.acceptance.rates,
-                                               outlook, self.request_acceptance, pooled,
-                                               self.drafted_last)
+        times, fewest, unseen = self._finish_times(
+            batch_size, costs, cap, self._step_times(batch_size, costs, cap), outlook,
+            self.drafted_last)
         self.drafted_last = timer.decide(batch_size, times, self.acceptance.rates, fewest,
                                          probe=not prefill)
         if timer.probed or unseen:
@@ -203,6 +192,29 @@ class DraftPolicy:
             # decision, on the requests' own acceptance, chose d = 1)
             self.decided_for = None
         return self.drafted_last
+
+    def _finish_times(self, batch_size: int, costs: StepCosts, cap: int, times: list[float],
+                      outlook: BatchOutlook | None, verified: int
+                      ) -> tuple[list[float], int, bool]:
+        """(the step times T(0..cap) to decide on, the fewest drafts the decision may make,
+        whether a request of the outlook has verified no draft yet): with an ``outlook``
+        (the batch is all the work left; a batch of one only where its scale is sure), the
+        times that make the best count the one finishing the batch soonest
+        (``outlook_step_times``; this step verifies ``verified`` drafts per request), else
+        ``times`` as they are, 0 and False."""
+        if outlook is None or min(outlook.remaining) <= 0 \
+                or not (batch_size > 1 or self._scale_is_sure(outlook.keys[0])):
+            return times, 0, False
+        # T(1, d): these times moved to one request by the prior's shape (bucket 1's own
+        # estimates have few samples where a batch of 8 only passes through)
+        at_size, at_one = (prior_times(costs, b, cap) for b in (batch_size, 1))
+        one = [rescale(t, v1 + d1, vb + db) for t, vb, db, v1, d1
+               in zip(times, *at_size, *at_one)]
+        unseen = not self.request_acceptance.seen_all(outlook.keys)
+        times, fewest = outlook_step_times(times, one, batch_size, self.acceptance.rates,
+                                           outlook, self.request_acceptance,
+                                           self.acceptance.pooled_rate, verified)
+        return times, fewest, unseen
 
     def _scale_is_sure(self, key) -> bool:
         """Whether a request alone in its batch reads an acceptance scale SURE_SCALE standard
@@ -232,19 +244,28 @@ class DraftPolicy:
             return "tree"
         return self.shape_chooser.decide(batch_size)
 
-    def chain_drafts_in_tree_mode(self, batch_size: int) -> int:
+    def chain_drafts_in_tree_mode(self, batch_size: int,
+                                  outlook: BatchOutlook | None = None) -> int:
         """Drafts of the chain a tree config drafts now: 1 .. min(k, depth), decided as a
         chain config's cost policy decides (the sweep, then the best count on the realized
-        times of this config's chain steps, and its priced probes), so a chain step
-        here costs and yields what the chain config's step does. The cap until costs are
-        measured."""
+        times of this config's chain steps, and its priced probes; with an ``outlook``, no
+        more drafts than the tokens left can use and the count finishing the batch soonest),
+        so a chain step here costs and yields what the chain config's step does. The cap
+        until costs are measured."""
         costs = self._costs_for(batch_size, self.chain_step_costs)
         if costs is None:
             self.chain_drafts = self._chain_cap()
-        else:
-            times = self.chain_times.step_times(batch_size, costs, self._chain_cap())
-            self.chain_drafts = self.chain_times.decide(batch_size, times,
-                                                        self.acceptance.rates)
+            return self.chain_drafts
+        cap = self._chain_cap()
+        if outlook is not None:  # at least 1: a chain step runs the drafter
+            cap = max(min(cap, useful_drafts(outlook)), 1)
+        # this step verifies the last chain, or a tree (priced as the longest chain)
+        verified = self.chain_drafts if self.drafted_shape == "chain" else self._chain_cap()
+        times, fewest, _ = self._finish_times(
+            batch_size, costs, cap, self.chain_times.step_times(batch_size, costs, cap),
+            outlook, verified)
+        self.chain_drafts = self.chain_times.decide(batch_size, times, self.acceptance.rates,
+                                                    fewest)
         return self.chain_drafts
 
     def tree_budget(self, batch_size: int) -> int | None:
@@ -263,7 +284,8 @@ class DraftPolicy:
 
     @property
     def wants_outlook(self) -> bool:
-        """Whether ``num_drafts`` reads a ``BatchOutlook`` (a chain config's cost policy)."""
+        """Whether ``num_drafts`` (a chain config's cost policy) or
+        ``chain_drafts_in_tree_mode`` (a tree config's) reads a ``BatchOutlook``."""
         return self.request_acceptance is not None
 
     @property
