@@ -195,6 +195,32 @@ def test_a_tree_configs_chains_are_decided_as_the_chain_configs_on_realized_time
     assert set(run_steps(chain, 20, steep, tree_config=False)[8:]) == {0}
 
 
+def test_a_tree_configs_chains_repeat_a_decision_as_a_chain_configs_do():
+    """A tree config's chains decide afresh every DECIDE_EVERY-th chain step, as a chain
+    config's cost policy does (``num_drafts``), never repeat the sweep, and decide afresh
+    after a tree step."""
+    from rocdraft.spec_decode.policy import DECIDE_EVERY
+
+    p = policy(speculative_token_tree=STATIC)
+    p.add_costs(True, 1, StepCosts(1e-3, 0.0, 0.0, 0.0, 0.0))
+    timer, fresh = p.chain_times, []
+    decide = timer.decide
+
+    def counting(*args, **kwargs):
+        fresh.append(decide(*args, **kwargs))
+        return fresh[-1]
+
+    timer.decide = counting
+    p.drafted_shape = "chain"
+    sweep = 2 * 3  # 3, 3, 2, 2, 1, 1: every one decided
+    for _ in range(sweep + 4 * DECIDE_EVERY):
+        p.chain_drafts_in_tree_mode(1)
+    assert len(fresh) == sweep + 4 and timer.buckets[1].steps == sweep + 4 * DECIDE_EVERY
+    p.drafted_shape = "tree"  # the last step verified a tree: decided afresh
+    p.chain_drafts_in_tree_mode(1)
+    assert len(fresh) == sweep + 5
+
+
 def test_tree_steps_give_the_chains_realized_times_no_sample():
     p = policy(speculative_token_tree=STATIC)
     p.add_costs(True, 1, StepCosts(1e-3, 0.0, 0.0, 0.0, 0.0))

@@ -259,13 +259,22 @@ class DraftPolicy:
         cap = self._chain_cap()
         if outlook is not None:  # at least 1: a chain step runs the drafter
             cap = max(min(cap, useful_drafts(outlook)), 1)
+        timer, decision = self.chain_times, (batch_size, cap, outlook is not None)
+        if self.decided_for == decision and self.repeats < DECIDE_EVERY - 1 \
+                and self.drafted_shape == "chain" and not timer.in_sweep(batch_size, cap):
+            # repeated between fresh decisions as a chain config's (``num_drafts``)
+            self.repeats += 1
+            timer.repeat(batch_size, self.chain_drafts)
+            return self.chain_drafts
+        self.decided_for, self.repeats = decision, 0
         # this step verifies the last chain, or a tree (priced as the longest chain)
         verified = self.chain_drafts if self.drafted_shape == "chain" else self._chain_cap()
-        times, fewest, _ = self._finish_times(
-            batch_size, costs, cap, self.chain_times.step_times(batch_size, costs, cap),
-            outlook, verified)
-        self.chain_drafts = self.chain_times.decide(batch_size, times, self.acceptance.rates,
-                                                    fewest)
+        times, fewest, unseen = self._finish_times(
+            batch_size, costs, cap, timer.step_times(batch_size, costs, cap), outlook,
+            verified)
+        self.chain_drafts = timer.decide(batch_size, times, self.acceptance.rates, fewest)
+        if timer.probed or unseen:  # not repeated (``num_drafts``)
+            self.decided_for = None
         return self.chain_drafts
 
     def tree_budget(self, batch_size: int) -> int | None:
