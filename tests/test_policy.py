@@ -31,6 +31,19 @@ def record(**fields) -> StepRecord:
     return StepRecord(**{**base, **fields})
 
 
+def fresh_decisions(timer) -> list[int]:
+    """The counts ``timer`` (a RealizedStepTimes) decides from now on, one per fresh
+    decision (a repeated decision calls ``repeat``, not ``decide``)."""
+    fresh, decide = [], timer.decide
+
+    def counting(*args, **kwargs):
+        fresh.append(decide(*args, **kwargs))
+        return fresh[-1]
+
+    timer.decide = counting
+    return fresh
+
+
 @pytest.mark.parametrize("spec, realized, tree_acceptance, chooser", [
     (dict(), True, False, False),  # chains, cost policy, measured costs: realized step times
     (dict(draft_costs=CHEAP), False, False, False),
@@ -203,14 +216,8 @@ def test_a_tree_configs_chains_repeat_a_decision_as_a_chain_configs_do():
 
     p = policy(speculative_token_tree=STATIC)
     p.add_costs(True, 1, StepCosts(1e-3, 0.0, 0.0, 0.0, 0.0))
-    timer, fresh = p.chain_times, []
-    decide = timer.decide
-
-    def counting(*args, **kwargs):
-        fresh.append(decide(*args, **kwargs))
-        return fresh[-1]
-
-    timer.decide = counting
+    timer = p.chain_times
+    fresh = fresh_decisions(timer)
     p.drafted_shape = "chain"
     sweep = 2 * 3  # 3, 3, 2, 2, 1, 1: every one decided
     for _ in range(sweep + 4 * DECIDE_EVERY):
@@ -258,14 +265,8 @@ def test_a_decision_is_repeated_for_a_few_steps_but_never_a_probe_or_a_new_cap()
     from rocdraft.spec_decode.policy import DECIDE_EVERY
 
     p = policy(draft_costs=(0.010, 0.0005, 0.0005, 0.0002, 0.0012))
-    timer, fresh = p.given_times, []
-    decide = timer.decide
-
-    def counting(*args, **kwargs):
-        fresh.append(decide(*args, **kwargs))
-        return fresh[-1]
-
-    timer.decide = counting
+    timer = p.given_times
+    fresh = fresh_decisions(timer)
     chosen = [p.num_drafts(1) for _ in range(400)]
     assert timer.buckets[1].steps == 400  # every step counted
     best = max(set(chosen), key=chosen.count)
@@ -277,14 +278,7 @@ def test_a_decision_is_repeated_for_a_few_steps_but_never_a_probe_or_a_new_cap()
     # a lone request 20 tokens from its end repeats as anywhere else (a new policy: no
     # probe is due in its first MIN_PROBE_INTERVAL = 32 steps) ...
     lone = policy(draft_costs=(0.010, 0.0005, 0.0005, 0.0002, 0.0012))
-    lone_fresh = []
-    lone_decide = lone.given_times.decide
-
-    def lone_counting(*args, **kwargs):
-        lone_fresh.append(lone_decide(*args, **kwargs))
-        return lone_fresh[-1]
-
-    lone.given_times.decide = lone_counting
+    lone_fresh = fresh_decisions(lone.given_times)
     for _ in range(2 * DECIDE_EVERY):
         lone.num_drafts(1, BatchOutlook(("a",), (20,)))
     assert len(lone_fresh) == 2
