@@ -11,8 +11,9 @@ The engine asks, before it drafts:
   the batch soonest, rocdraft/spec_decode/batch_finish.py); a tree config answers its node
   count (the tree's own shape decides);
 - ``shape(batch_size)``: "tree" or "chain" for a tree config (rocdraft/spec_decode/
-  draft_shape.py), and ``chain_drafts_in_tree_mode(batch_size)`` when it is "chain" (decided
-  as a chain config decides, on the realized times of the tree config's own chain steps);
+  draft_shape.py), and ``chain_drafts_in_tree_mode(batch_size, outlook)`` when it is
+  "chain" (decided as a chain config decides, on the realized times of the tree config's
+  own chain steps and the batch's outlook, repeated between fresh decisions);
 - ``tree_budget(batch_size)``: the batch node budget of the trees drafted now (the
   configured one, or the cost-based one of rocdraft/spec_decode/tree_budget.py);
 - ``costs_to_measure(largest_bucket)``: which step-cost tables it still lacks (the engine
