@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from rocdraft import LLM, SamplingParams, SpeculativeConfig
 from rocdraft.builtin import builtin_paths
 from rocdraft.bench.corpus import heldout_prompts
+from rocdraft.config import DTYPES
 
 PHASES = ("bookkeeping", "target_verify", "sampler", "draft")
 
@@ -50,7 +51,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--draft-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+    parser.add_argument("--draft-dtype", default=None, choices=DTYPES,
                         help="the head's dtype (SpeculativeConfig.draft_dtype; default --dtype)")
     args = parser.parse_args()
     for name in ("steps", "top", "threads", "num_speculative_tokens"):

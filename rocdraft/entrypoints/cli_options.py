@@ -51,7 +51,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="drafts verified per step: 'cost' picks the count that maximises "
                         "expected tokens/s from the run's own step times and acceptance (the "
                         "default), 'fixed' always --num-speculative-tokens")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="default: float32 on the CPU, bfloat16 on a GPU")
     p.add_argument("--draft-dtype", choices=DTYPES, default=None,
                    help="the EAGLE head's dtype (default: --dtype). The target verifies "

@@ -168,31 +168,45 @@ class DraftPolicy:
             return cap
         self.policy_steps += 1
         timer = self.realized_times if self.realized_times is not None else self.given_times
-        decision = (batch_size, cap, outlook is not None)
-        if self.decided_for == decision and self.repeats < DECIDE_EVERY - 1 \
-                and not timer.in_sweep(batch_size, cap):
-            # Why: the decision reads means of 8 step times and running rates that move a
-            # few per cent a step, and deciding runs after the target's forward, with the
-            # host's caches cold: 0.13 ms a step at bs 1 and 8 on the built-in pair (0.06
-            # warm), 1.5-2% of a 7-8 ms step with the observing (docs/draft-policy.md)
-            self.repeats += 1
-            timer.repeat(batch_size, self.drafted_last)
+        if self._repeat_last(timer, batch_size, cap, outlook, self.drafted_last):
             return self.drafted_last
         self.flush()
-        self.decided_for, self.repeats = decision, 0
         times, fewest, unseen = self._finish_times(
             batch_size, costs, cap, self._step_times(batch_size, costs, cap), outlook,
             self.drafted_last)
         self.drafted_last = timer.decide(batch_size, times, self.acceptance.rates, fewest,
                                          probe=not prefill)
-        if timer.probed or unseen:
-            # A probe (or the sweep) drafts its count once. So does a decision on an
-            # outlook with a request that has not verified a draft yet: its acceptance is
-            # the pooled rates' until then (on the built-in pair at bs 8 a batch's first
-            # two steps chose d = 3-4 and held it for 3 more steps; the next fresh
-            # decision, on the requests' own acceptance, chose d = 1)
-            self.decided_for = None
+        self._decided(timer, unseen)
         return self.drafted_last
+
+    def _repeat_last(self, timer: RealizedStepTimes, batch_size: int, cap: int,
+                 outlook: BatchOutlook | None, last: int, may_repeat: bool = True) -> bool:
+        """Whether this step repeats ``last``, the last fresh decision (counted as a policy
+        step of ``timer``), or else decides afresh (and is what the next steps repeat).
+        Repeated: DECIDE_EVERY - 1 steps after a fresh decision of the same batch size, cap
+        and outlook-or-not, outside the sweep, where ``may_repeat``.
+
+        Why: a decision reads means of 8 step times and running rates that move a few per
+        cent a step, and deciding runs after the target's forward, with the host's caches
+        cold: 0.13 ms a step at bs 1 and 8 on the built-in pair (0.06 warm), 1.5-2% of a 7-8
+        ms step with the observing (docs/draft-policy.md)."""
+        decision = (batch_size, cap, outlook is not None)
+        if may_repeat and self.decided_for == decision \
+                and self.repeats < DECIDE_EVERY - 1 and not timer.in_sweep(batch_size, cap):
+            self.repeats += 1
+            timer.repeat(batch_size, last)
+            return True
+        self.decided_for, self.repeats = decision, 0
+        return False
+
+    def _decided(self, timer: RealizedStepTimes, unseen: bool) -> None:
+        """After a fresh decision: a probe (or the sweep) drafts its count once, and so does
+        a decision on an outlook with a request that has not verified a draft yet (``unseen``:
+        its acceptance is the pooled rates' until then; on the built-in pair at bs 8 a
+        batch's first two steps chose d = 3-4 and held it for 3 more steps, where the next
+        fresh decision, on the requests' own acceptance, chose d = 1)."""
+        if timer.probed or unseen:
+            self.decided_for = None
 
     def _finish_times(self, batch_size: int, costs: StepCosts, cap: int, times: list[float],
                       outlook: BatchOutlook | None, verified: int
@@ -260,22 +274,18 @@ class DraftPolicy:
         cap = self._chain_cap()
         if outlook is not None:  # at least 1: a chain step runs the drafter
             cap = max(min(cap, useful_drafts(outlook)), 1)
-        timer, decision = self.chain_times, (batch_size, cap, outlook is not None)
-        if self.decided_for == decision and self.repeats < DECIDE_EVERY - 1 \
-                and self.drafted_shape == "chain" and not timer.in_sweep(batch_size, cap):
-            # repeated between fresh decisions as a chain config's (``num_drafts``)
-            self.repeats += 1
-            timer.repeat(batch_size, self.chain_drafts)
+        timer, after_chain = self.chain_times, self.drafted_shape == "chain"
+        # repeated between fresh decisions as a chain config's, and decided afresh after a
+        # tree step
+        if self._repeat_last(timer, batch_size, cap, outlook, self.chain_drafts, after_chain):
             return self.chain_drafts
-        self.decided_for, self.repeats = decision, 0
         # this step verifies the last chain, or a tree (priced as the longest chain)
-        verified = self.chain_drafts if self.drafted_shape == "chain" else self._chain_cap()
+        verified = self.chain_drafts if after_chain else self._chain_cap()
         times, fewest, unseen = self._finish_times(
             batch_size, costs, cap, timer.step_times(batch_size, costs, cap), outlook,
             verified)
         self.chain_drafts = timer.decide(batch_size, times, self.acceptance.rates, fewest)
-        if timer.probed or unseen:  # not repeated (``num_drafts``)
-            self.decided_for = None
+        self._decided(timer, unseen)
         return self.chain_drafts
 
     def tree_budget(self, batch_size: int) -> int | None:
