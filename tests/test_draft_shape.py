@@ -10,9 +10,10 @@ from checkpoints import write_cyclic_eagle3_head, write_cyclic_llama
 from rocdraft.config import SamplingParams, SpeculativeConfig
 from rocdraft.spec_decode.cost_model import StepCosts
 from rocdraft.spec_decode.realized_times import RealizedStepTimes
-from rocdraft.spec_decode.draft_shape import (EXPLORE_EVERY, MAX_CYCLE, MIN_TIME_SAMPLES, PROBE_STEPS,
-                                  TIME_SAMPLES, TOKEN_SAMPLES, DraftShapeChooser,
-                                  chain_on_path, chain_on_tree_step, rank0_flags)
+from rocdraft.spec_decode.draft_shape import (EXPLORE_EVERY, MAX_CYCLE, MIN_TIME_SAMPLES,
+                                              PROBE_BUDGET, PROBE_STEPS, TIME_SAMPLES,
+                                              TOKEN_SAMPLES, DraftShapeChooser, chain_on_path,
+                                              chain_on_tree_step, probe_cycle, rank0_flags)
 from rocdraft.engine import LLM
 
 PROMPTS = [[1, 5, 7, 9], [1, 2], list(range(1, 30)), [4] * 11]
@@ -41,8 +42,37 @@ def test_until_both_are_measured_it_alternates_runs_of_probe_steps():
     assert chooser.faster(4) is None
     chooser.record(4, "chain", 1.0)
     assert chooser.faster(4) == "tree"  # 100 against 60 tokens in equal times
-    chooser.buckets[4].tokens.clear()  # both timed, but no tree tokens
+    # both timed, but no tree tokens (not reachable through record: set by hand, and the
+    # bucket's rates forgotten as a new sample would)
+    chooser.buckets[4].tokens.clear()
+    chooser.buckets[4].known_rates = None
     assert chooser.faster(4) is None
+
+
+def test_rates_follow_every_new_sample():
+    """The rates are kept between samples (the engine asks every step), and every recorded
+    step moves them: a chain that slows down loses to the tree at once."""
+    chooser = DraftShapeChooser()
+    for _ in range(MIN_TIME_SAMPLES):
+        chooser.record(1, "tree", 0.010, 5, 4)
+        chooser.record(1, "chain", 0.007)
+    assert chooser.faster(1) == "chain"  # 4 / 0.007 = 571 against 5 / 0.010 = 500 tok/s
+    first = chooser.buckets[1].rates
+    assert chooser.buckets[1].rates is first  # not recomputed without a new sample
+    for _ in range(2):  # the median of 0.007, 0.007, 0.012, 0.012: 0.0095
+        chooser.record(1, "chain", 0.012)
+    assert chooser.buckets[1].rates["chain"] == pytest.approx(4 / 0.0095)
+    assert chooser.faster(1) == "tree"
+    chooser.record(1, "tree", 0.010, 9, 4)  # a tree step with a gain of 9 / 4: tokens move
+    assert chooser.buckets[1].rates["tree"] == pytest.approx((5 + 5 + 9) / 3 / 0.010)
+
+
+def test_docstring_examples():
+    import doctest
+
+    from rocdraft.spec_decode import draft_shape
+
+    assert doctest.testmod(draft_shape).failed == 0
 
 
 def test_docstring_example_the_faster_shape_with_probes_of_the_other():
@@ -55,18 +85,26 @@ def test_docstring_example_the_faster_shape_with_probes_of_the_other():
     assert chooser.buckets[8].rates == pytest.approx({"tree": 500, "chain": 600})
     assert chooser.faster(8) == chooser.faster(5) == "chain"  # one bucket (8)
     assert chooser.faster(1) is None  # nothing measured in bucket 1
-    shapes = [chooser.decide(8) for _ in range(125)]
-    cycle = round(EXPLORE_EVERY * 1.2 ** 2)  # 46: probes of a slower shape are rarer
+    shapes = [chooser.decide(8) for _ in range(250)]
+    cycle = round(PROBE_STEPS * (1 - 500 / 600) / PROBE_BUDGET)  # 100: each probe run
+    # loses half a chain step's tokens, 0.5% of 100 steps
     assert [i for i, s in enumerate(shapes) if s == "tree"] == \
         [(c + 1) * cycle - PROBE_STEPS + j for c in range(2) for j in range(PROBE_STEPS)] \
-        == [43, 44, 45, 89, 90, 91]
+        == [97, 98, 99, 197, 198, 199]
     for _ in range(TOKEN_SAMPLES):  # a text where the tree's gain is 2: it wins
         chooser.record(8, "tree", 0.08, 40, 20)
     assert chooser.faster(8) == "tree"
 
 
-def test_probe_cycle_grows_with_the_square_of_the_speed_ratio_up_to_a_bound():
-    for ratio, cycle in ((1.0, EXPLORE_EVERY), (2.0, 4 * EXPLORE_EVERY), (100.0, MAX_CYCLE)):
+def test_probes_cost_their_budget_of_the_faster_shapes_throughput_within_bounds():
+    """A probe run of the slower shape loses PROBE_STEPS x (1 - slower / faster) faster
+    steps; one per cycle, that is PROBE_BUDGET of the faster shape's throughput, with the
+    cycle at least EXPLORE_EVERY (shapes about as fast) and at most MAX_CYCLE steps."""
+    for ratio, cycle in ((1.0, EXPLORE_EVERY), (1.25, 120), (2.0, 300), (100.0, MAX_CYCLE)):
+        assert probe_cycle(1 / ratio) == cycle
+        if EXPLORE_EVERY < cycle < MAX_CYCLE:
+            lost = PROBE_STEPS * (1 - 1 / ratio)
+            assert lost / cycle == pytest.approx(PROBE_BUDGET, rel=0.01)
         chooser = DraftShapeChooser()
         for _ in range(MIN_TIME_SAMPLES):
             chooser.record(2, "tree", 1.0, 10, 10)

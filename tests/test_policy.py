@@ -8,7 +8,7 @@ import pytest
 from rocdraft.config import SpeculativeConfig
 from rocdraft.spec_decode.cost_model import StepCosts
 from rocdraft.spec_decode.draft_shape import MIN_TIME_SAMPLES
-from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
+from rocdraft.spec_decode.policy import DECIDE_EVERY, DraftPolicy, StepRecord
 
 STATIC = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"  # depth 3, ranks 0 1 0 1 0 0
 DYNAMIC = dict(tree_depth=3, tree_top_k=2, tree_total_tokens=6)
@@ -226,6 +226,48 @@ def test_a_tree_configs_chains_repeat_a_decision_as_a_chain_configs_do():
     p.drafted_shape = "tree"  # the last step verified a tree: decided afresh
     p.chain_drafts_in_tree_mode(1)
     assert len(fresh) == sweep + 5
+
+
+def test_a_tree_configs_chain_steps_wait_for_a_fresh_decision_and_its_shapes_do_not():
+    """With ``defer_observations`` (the engine's), a tree config's chain steps are folded at
+    its chains' next fresh decision, as a chain config's steps are; the shape chooser, which
+    decides every step, learns each step at once; a step that verified a tree folds the kept
+    steps first (what the chain would have done on it reads the chain's acceptance). Once
+    folded, the estimates are those of a policy that folded every step at once."""
+    p, now = policy(speculative_token_tree=STATIC), policy(speculative_token_tree=STATIC)
+    for q in (p, now):
+        q.add_costs(True, 1, StepCosts(1e-3, 0.0, 0.0, 0.0, 0.0))
+        q.drafted_shape = "chain"
+    p.defer_observations = True
+    chain_step = dict(shape="chain", chain_verified=[3], chain_accepted=[1], produced=2,
+                      seconds=0.01, draft_seconds=0.004)
+    tree_step = dict(shape="tree", verified_tree=True, tree_parents=[[-1, -1, 0, 0, 1, 2]],
+                     tree_paths=[[0, 2, 5]], produced=4)  # all rank-0: the chain's 3 of 3
+
+    def both(call):
+        return [call(q) for q in (p, now)]
+
+    def same_estimates():
+        return p.acceptance.rates == now.acceptance.rates \
+            and kept_seconds(p.chain_times.buckets[1].verify) \
+            == kept_seconds(now.chain_times.buckets[1].verify)
+
+    for _ in range(2):
+        both(lambda q: q.observe(record(**chain_step)))
+    assert len(p.pending) == 2 and p.acceptance.verified[0] == 0 and not p.chain_times.buckets
+    assert len(p.shape_chooser.buckets[1].times["chain"]) == 2  # the chooser knows already
+    assert both(lambda q: q.chain_drafts_in_tree_mode(1)) == [3, 3]  # fresh: folded first
+    assert not p.pending and same_estimates()
+    assert kept_seconds(p.chain_times.buckets[1].verify) == {3: [0.006, 0.006]}
+    both(lambda q: q.observe(record(**chain_step)))
+    assert len(p.pending) == 1
+    for _ in range(2):  # (the second a sample of the chooser's)
+        both(lambda q: q.observe(record(**tree_step)))
+    assert not p.pending and same_estimates() and p.drafted_shape == "tree"
+    assert list(p.shape_chooser.buckets[1].tokens) == list(now.shape_chooser.buckets[1].tokens)
+    for _ in range(4 * DECIDE_EVERY):  # no decision for a while: folded without one
+        both(lambda q: q.observe(record(**chain_step)))
+    assert not p.pending and same_estimates()
 
 
 def test_tree_steps_give_the_chains_realized_times_no_sample():

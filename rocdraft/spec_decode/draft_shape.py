@@ -70,20 +70,23 @@ Decision (``decide``), per step of a bucket numbered i = 0, 1, ...:
   the built-in pair, each 2x a chain step) although buckets 1 and 8 had chosen the chain;
 - then the faster shape, except runs of PROBE_STEPS steps of the other one that keep its
   figures current, the last PROBE_STEPS steps of every cycle, which starts at the first
-  choice; a cycle is EXPLORE_EVERY x (faster rate / slower rate)^2 steps (at most
-  MAX_CYCLE): a probe of a shape twice as slow costs twice as much per step and is made four
-  times as rarely. At batch 8 on a CPU core a tree step takes 2.8x a chain step for 1.4x its
-  tokens: probing every 32 steps cost about 12% of the chain's speed.
+  choice; a cycle is PROBE_STEPS x (1 - slower rate / faster rate) / PROBE_BUDGET steps (at
+  least EXPLORE_EVERY, at most MAX_CYCLE): a probe run loses that share of a faster step per
+  step, so the probes cost PROBE_BUDGET of the faster shape's throughput. At batch 8 on a
+  CPU core a tree step takes 2.8x a chain step for 1.4x its tokens: probing every 32 steps
+  cost about 12% of the chain's speed. With a cycle of 32 x (rate ratio)^2 steps instead (the
+  rule until the thirteenth session) a d5/k4/n16 tree config on the built-in pair at batch 1
+  (the chain 1.28x the tree's rate) drafted trees on 6.3% of its steps, about 1.4% of the
+  chain's speed; now 2.3% of them, 0.5%.
 
-Example: bucket 8, tree 500 tok/s, chain 600 tok/s known at step 0 (cycle round(32 x 1.44)
-= 46) -> steps 43-45, 89-91, 135-137, ... draft trees, the rest chains. Greedy outputs never
-depend on it.
+Example: bucket 8, tree 500 tok/s, chain 600 tok/s known at step 0 (cycle round(3 x (1 -
+5/6) / 0.005) = 100) -> steps 97-99, 197-199, ... draft trees, the rest chains. Greedy
+outputs never depend on it.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import mean, median
 from typing import NamedTuple
 
 from rocdraft.spec_decode.cost_model import batch_bucket
@@ -93,8 +96,9 @@ TIME_SAMPLES = 5  # a shape's step time: the median of its last TIME_SAMPLES pur
 TOKEN_SAMPLES = 16  # the tree's gain: over its last TOKEN_SAMPLES pure steps
 MIN_TIME_SAMPLES = 2  # step times per shape before a choice
 PROBE_STEPS = 3  # a run of one shape: PROBE_STEPS - 1 pure samples
-EXPLORE_EVERY = 32  # steps between probes of the slower shape at equal rates
+EXPLORE_EVERY = 32  # steps between probes of the slower shape, at least
 MAX_CYCLE = 512  # at most this many steps between probes
+PROBE_BUDGET = 0.005  # share of the faster shape's throughput its probes may cost
 
 
 def rank0_flags(parents: list[int], ranks: tuple[int, ...] | None = None) -> list[bool]:
@@ -196,16 +200,27 @@ class _Bucket:
     times: dict = field(default_factory=dict)  # shape -> deque of step seconds
     tokens: deque = field(default_factory=lambda: deque(maxlen=TOKEN_SAMPLES))  # tree steps:
     # (the tree's tokens, the chain's tokens on the same step)
+    known_rates: dict | None = None  # ``rates`` since the last sample (None: recompute)
 
     @property
     def rates(self) -> dict:
         """shape -> tokens per second on the recent tree steps' text (empty until both
-        shapes have MIN_TIME_SAMPLES step times and the tree has tokens)."""
+        shapes have MIN_TIME_SAMPLES step times and the tree has tokens). Computed once per
+        new sample: the engine asks every step (with ``statistics.mean`` over its 16 token
+        pairs each time, it took 0.08 ms of a 7 ms step at bs 1 on the built-in pair)."""
+        if self.known_rates is None:
+            self.known_rates = self._rates()
+        return self.known_rates
+
+    def _rates(self) -> dict:
         if len(self.times) < len(SHAPES) or not self.tokens \
                 or min(len(found) for found in self.times.values()) < MIN_TIME_SAMPLES:
             return {}
-        return {"tree": mean(t for t, _ in self.tokens) / _step_time(self.times["tree"]),
-                "chain": mean(c for _, c in self.tokens) / _step_time(self.times["chain"])}
+        tree_tokens = sum(t for t, _ in self.tokens)
+        chain_tokens = sum(c for _, c in self.tokens)
+        n = len(self.tokens)
+        return {"tree": tree_tokens / n / _step_time(self.times["tree"]),
+                "chain": chain_tokens / n / _step_time(self.times["chain"])}
 
     def cycle(self) -> int:
         """Steps from one probe run's start to the next (the module docstring's rule);
@@ -213,8 +228,18 @@ class _Bucket:
         rates = self.rates
         if not rates:
             return EXPLORE_EVERY
-        ratio = max(rates.values()) / min(rates.values())
-        return min(round(EXPLORE_EVERY * ratio ** 2), MAX_CYCLE)
+        return probe_cycle(min(rates.values()) / max(rates.values()))
+
+
+def probe_cycle(slower_share: float) -> int:
+    """Steps from one probe run's start to the next where the slower shape runs at
+    ``slower_share`` of the faster one's rate (the module docstring's rule).
+
+    >>> probe_cycle(1.0), probe_cycle(5 / 6), probe_cycle(0.5), probe_cycle(0.01)
+    (32, 100, 300, 512)
+    """
+    lost = PROBE_STEPS * (1.0 - slower_share)  # faster steps a probe run costs
+    return min(max(round(lost / PROBE_BUDGET), EXPLORE_EVERY), MAX_CYCLE)
 
 
 def _faster(rates: dict) -> str | None:
@@ -225,8 +250,15 @@ def _faster(rates: dict) -> str | None:
 
 
 def _step_time(times) -> float:
-    """A shape's step time: the median of its recent times, the smaller of only two."""
-    return median(times) if len(times) > 2 else min(times)
+    """A shape's step time: the median of its recent times, the smaller of only two.
+
+    >>> _step_time([3.0, 1.0, 2.0, 9.0]), _step_time([3.0, 1.0])
+    (2.5, 1.0)
+    """
+    if len(times) <= 2:
+        return min(times)
+    ordered, half = sorted(times), len(times) // 2
+    return ordered[half] if len(times) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
 class DraftShapeChooser:
@@ -236,7 +268,10 @@ class DraftShapeChooser:
     def _bucket(self, batch_size: int) -> _Bucket:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        return self.buckets.setdefault(batch_bucket(batch_size), _Bucket())
+        bucket = self.buckets.get(batch_bucket(batch_size))
+        if bucket is None:  # (not setdefault: a _Bucket is built only when new)
+            bucket = self.buckets[batch_bucket(batch_size)] = _Bucket()
+        return bucket
 
     def faster(self, batch_size: int) -> str | None:
         """The shape measured faster in this batch's bucket, None before both were measured."""
@@ -291,3 +326,4 @@ class DraftShapeChooser:
         bucket.times.setdefault(shape, deque(maxlen=TIME_SAMPLES)).append(seconds)
         if shape == "tree":
             bucket.tokens.append((num_tokens, chain_tokens))
+        bucket.known_rates = None

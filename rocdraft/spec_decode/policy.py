@@ -281,6 +281,7 @@ class DraftPolicy:
             return self.chain_drafts
         # this step verifies the last chain, or a tree (priced as the longest chain)
         verified = self.chain_drafts if after_chain else self._chain_cap()
+        self.flush()
         times, fewest, unseen = self._finish_times(
             batch_size, costs, cap, timer.step_times(batch_size, costs, cap), outlook,
             verified)
@@ -372,28 +373,39 @@ class DraftPolicy:
 
     def observe(self, step: StepRecord) -> None:
         """Fold one step into the estimates (``_fold``); with ``defer_observations`` (the
-        engine's, for a chain config's cost policy) kept until the next fresh decision or
-        ``flush``: folded several at a time, the host's caches stay warm (folding after the
-        target's forward took 0.06-0.09 ms a step on the built-in pair, about 3x the same
-        work warm)."""
-        if self.defer_observations and self.realized_times is not None:
-            self.pending.append(step)
-            if len(self.pending) >= 4 * DECIDE_EVERY:  # no decision for a while: fold now
+        engine's) under the cost policy, kept until the next fresh decision or ``flush``:
+        folded several at a time, the host's caches stay warm (folding after the target's
+        forward took 0.06-0.09 ms a step on the built-in pair, about 3x the same work warm).
+        A tree config's shape chooser learns each step at once (it decides every step), and
+        a step that verified a tree is folded at once, after the steps kept (what the chain
+        would have done on it reads the chain's estimates)."""
+        if not self.defer_observations or (self.realized_times is None
+                                           and self.chain_times is None):
+            self._fold(step, self.chain_drafts)
+            return
+        if self.shape_chooser is not None:
+            if step.tree_paths is not None:
                 self.flush()
-        else:
-            self._fold(step)
+                self._fold(step, self.chain_drafts)
+                return
+            self._fold_shape(step, 0.0)
+        self.pending.append((step, self.chain_drafts))
+        if len(self.pending) >= 4 * DECIDE_EVERY:  # no decision for a while: fold now
+            self.flush()
 
     def flush(self) -> None:
         """Fold the steps observed and not yet folded (``observe``), in order."""
         pending, self.pending = self.pending, []
-        for step in pending:
-            self._fold(step)
+        for step, chain_drafts in pending:
+            self._fold(step, chain_drafts, shape_folded=True)
 
-    def _fold(self, step: StepRecord) -> None:
+    def _fold(self, step: StepRecord, chain_drafts: int, shape_folded: bool = False) -> None:
         """Fold one step into the estimates: the chain a tree config would have drafted on
         its verified trees (its tokens and acceptance), the chains' acceptance, the dynamic
-        trees' acceptance, then the step's times for the realized step times and its time and
-        tokens for the shape chooser (steps without prompt tokens only)."""
+        trees' acceptance, then the step's times for the realized step times (a tree
+        config's chains: ``chain_drafts`` the chain's drafts that step) and, unless
+        ``shape_folded`` (``observe`` did), its time and tokens for the shape chooser (steps
+        without prompt tokens only)."""
         chain_tokens = 0.0
         if self.shape_chooser is not None and step.tree_paths is not None:
             chain = chain_on_tree_step(
@@ -425,18 +437,25 @@ class DraftPolicy:
             # A step that verified only chains (a verify sample) and, when it drafted a
             # chain, a draft sample of the count drafted (a tree's drafting is none).
             self.chain_times.record(step.batch_size, verified_per_request(step),
-                                    self.chain_drafts, step.seconds - step.draft_seconds,
+                                    chain_drafts, step.seconds - step.draft_seconds,
                                     step.draft_seconds if step.shape == "chain" else 0.0,
                                     chain_costs)
-        if self.shape_chooser is not None:
-            # A pure step of one shape (a tree step's sample needs a verified tree: a batch
-            # of only the chains another step drafted verifies none).
-            if not step.has_prefill and step.shape is not None \
-                    and step.shape == self.drafted_shape and step.any_verified \
-                    and (step.shape == "chain" or step.verified_tree):
-                self.shape_chooser.record(step.batch_size, step.shape, step.seconds,
-                                          step.produced, chain_tokens)
-            self.drafted_shape = step.shape
+        if not shape_folded:
+            self._fold_shape(step, chain_tokens)
+
+    def _fold_shape(self, step: StepRecord, chain_tokens: float) -> None:
+        """The shape chooser's part of a step (a tree config under the cost policy): a pure
+        step of one shape (a tree step's sample needs a verified tree: a batch of only the
+        chains another step drafted verifies none), ``chain_tokens`` what the chain would
+        have produced on a tree step; then the shape drafted last."""
+        if self.shape_chooser is None:
+            return
+        if not step.has_prefill and step.shape is not None \
+                and step.shape == self.drafted_shape and step.any_verified \
+                and (step.shape == "chain" or step.verified_tree):
+            self.shape_chooser.record(step.batch_size, step.shape, step.seconds,
+                                      step.produced, chain_tokens)
+        self.drafted_shape = step.shape
 
 
 def verified_per_request(step: StepRecord) -> int | None:
