@@ -76,8 +76,9 @@ Decision (``decide``), per step of a bucket numbered i = 0, 1, ...:
   CPU core a tree step takes 2.8x a chain step for 1.4x its tokens: probing every 32 steps
   cost about 12% of the chain's speed. With a cycle of 32 x (rate ratio)^2 steps instead (the
   rule until the thirteenth session) a d5/k4/n16 tree config on the built-in pair at batch 1
-  (the chain 1.28x the tree's rate) drafted trees on 6.3% of its steps, about 1.4% of the
-  chain's speed; now 2.3% of them, 0.5%.
+  (the chain 1.2-1.3x the tree's rate) verified trees on 6.3% of its steps, about 1.4% of the
+  chain's speed; with this rule on 4.3% of them, the first exploration included (the rates it
+  held then gave a cycle of 187 steps: 1.6% of the steps after it).
 
 Example: bucket 8, tree 500 tok/s, chain 600 tok/s known at step 0 (cycle round(3 x (1 -
 5/6) / 0.005) = 100) -> steps 97-99, 197-199, ... draft trees, the rest chains. Greedy
