@@ -1,4 +1,4 @@
-"""models/layers.py's ``project`` and gated MLP (the CPU matmul forms they run through:
+"""models/layers.py's ``rms_norm``, ``project`` and gated MLP (the CPU matmul forms they run through:
 tests/test_linear_form.py; the shared functional block forms are tested through the models:
 tests/test_llama.py, tests/test_eagle_heads.py)."""
 from __future__ import annotations
@@ -8,7 +8,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from rocdraft.models import layers
+
+
+def written_out_rms_norm(x, weight, eps):
+    """The norm as transformers' Llama writes it: statistics in float32, the weight applied
+    in the input's dtype."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 9), hidden=st.sampled_from([8, 64, 384, 1000]),
+       stacked=st.booleans(), strided=st.booleans(), scale=st.integers(-4, 4),
+       eps=st.sampled_from([1e-5, 1e-6]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2**16))
+def test_rms_norm_on_the_cpu_is_bitwise_the_written_out_norm(
+        rows, hidden, stacked, strided, scale, eps, dtype, seed):
+    """On the CPU the norm's statistics run through aten's rms_norm (one call from Python
+    for the same ops): bitwise what the written-out norm gives, so greedy outputs still equal
+    transformers', for a plain [n, H] input, an EAGLE-3 head's stacked [n, 2, H] input with
+    its [2, H] weights, and a strided view, in every dtype."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows, 2, hidden) if stacked else (rows, hidden)
+    x = torch.randn(*shape, generator=g) * 10.0 ** scale
+    if strided:  # every other column of a wider tensor
+        x = torch.randn(*shape[:-1], 2 * hidden, generator=g)[..., ::2] * 10.0 ** scale
+    x = x.to(dtype)
+    weight = torch.randn(*shape[1:], generator=g).to(dtype)
+    assert torch.equal(layers.rms_norm(x, weight, eps), written_out_rms_norm(x, weight, eps))
 
 
 def test_project_runs_a_plain_linear_and_calls_any_other_module(monkeypatch):
