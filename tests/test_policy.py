@@ -9,6 +9,7 @@ from rocdraft.config import SpeculativeConfig
 from rocdraft.spec_decode.cost_model import StepCosts
 from rocdraft.spec_decode.draft_shape import MIN_TIME_SAMPLES
 from rocdraft.spec_decode.policy import DECIDE_EVERY, DraftPolicy, StepRecord
+from rocdraft.spec_decode.realized_times import RealizedStepTimes
 
 STATIC = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"  # depth 3, ranks 0 1 0 1 0 0
 DYNAMIC = dict(tree_depth=3, tree_top_k=2, tree_total_tokens=6)
@@ -268,6 +269,28 @@ def test_a_tree_configs_chain_steps_wait_for_a_fresh_decision_and_its_shapes_do_
     for _ in range(4 * DECIDE_EVERY):  # no decision for a while: folded without one
         both(lambda q: q.observe(record(**chain_step)))
     assert not p.pending and same_estimates()
+
+
+def test_a_tree_configs_kept_chain_steps_are_folded_before_its_chains_decide():
+    """A fresh decision of a tree config's chains reads every step observed before it: with
+    its steps kept (``defer_observations``) it drafts what a policy that folded each step at
+    once drafts, step by step, while its head stops being accepted (2 drafts, then 1)."""
+    def chains_on_a_clock(defer: bool) -> DraftPolicy:
+        p = policy(speculative_token_tree=STATIC)
+        p.add_costs(True, 1, StepCosts(0.01, 0.002, 0.0, 0.0, 0.002))  # each draft dearer
+        p.chain_times = RealizedStepTimes(p._chain_cap(), sweep=False, min_drafts=1)
+        p.drafted_shape, p.defer_observations = "chain", defer
+        return p
+
+    kept, now = chains_on_a_clock(True), chains_on_a_clock(False)
+    made = {id(kept): [], id(now): []}
+    for _ in range(3 * DECIDE_EVERY):
+        for p in (kept, now):
+            made[id(p)].append(p.chain_drafts_in_tree_mode(1))
+            p.observe(record(shape="chain", chain_verified=[3], chain_accepted=[0], produced=1,
+                             seconds=0.02, draft_seconds=0.006))
+    assert made[id(kept)] == made[id(now)]
+    assert made[id(now)][0] == 2 and made[id(now)][-1] == 1
 
 
 def test_tree_steps_give_the_chains_realized_times_no_sample():

@@ -70,19 +70,20 @@ Decision (``decide``), per step of a bucket numbered i = 0, 1, ...:
   the built-in pair, each 2x a chain step) although buckets 1 and 8 had chosen the chain;
 - then the faster shape, except runs of PROBE_STEPS steps of the other one that keep its
   figures current, the last PROBE_STEPS steps of every cycle, which starts at the first
-  choice; a cycle is PROBE_STEPS x (1 - slower rate / faster rate) / PROBE_BUDGET steps (at
-  least EXPLORE_EVERY, at most MAX_CYCLE): a probe run loses that share of a faster step per
-  step, so the probes cost PROBE_BUDGET of the faster shape's throughput. At batch 8 on a
+  choice; a cycle is PROBE_STEPS x (slower step time / faster step time) x (1 - slower
+  rate / faster rate) / PROBE_BUDGET steps (at least EXPLORE_EVERY, at most MAX_CYCLE): a
+  probe run lasts PROBE_STEPS x the time ratio faster steps and loses that share of their
+  tokens, so the probes cost PROBE_BUDGET of the faster shape's throughput. At batch 8 on a
   CPU core a tree step takes 2.8x a chain step for 1.4x its tokens: probing every 32 steps
   cost about 12% of the chain's speed. With a cycle of 32 x (rate ratio)^2 steps instead (the
   rule until the thirteenth session) a d5/k4/n16 tree config on the built-in pair at batch 1
-  (the chain 1.2-1.3x the tree's rate) verified trees on 6.3% of its steps, about 1.4% of the
-  chain's speed; with this rule on 4.3% of them, the first exploration included (the rates it
-  held then gave a cycle of 187 steps: 1.6% of the steps after it).
+  (a tree step about 1.8x a chain step's time, the chain 1.2-1.45x the tree's rate) verified
+  trees on 6.3% of its steps, about 1.4% of the chain's speed (docs/draft-policy.md,
+  thirteenth session).
 
-Example: bucket 8, tree 500 tok/s, chain 600 tok/s known at step 0 (cycle round(3 x (1 -
-5/6) / 0.005) = 100) -> steps 97-99, 197-199, ... draft trees, the rest chains. Greedy
-outputs never depend on it.
+Example: bucket 8, tree 500 tok/s in 0.08 s steps, chain 600 tok/s in 0.05 s steps, known at
+step 0 (cycle round(3 x 1.6 x (1 - 5/6) / 0.005) = 160) -> steps 157-159, 317-319, ...
+draft trees, the rest chains. Greedy outputs never depend on it.
 """
 from __future__ import annotations
 
@@ -211,7 +212,7 @@ class _Bucket:
         pairs each time, it took 0.08 ms of a 7 ms step at bs 1 on the built-in pair)."""
         if self.known_rates is None:
             self.known_rates = self._rates()
-        return self.known_rates
+        return dict(self.known_rates)
 
     def _rates(self) -> dict:
         if len(self.times) < len(SHAPES) or not self.tokens \
@@ -229,17 +230,23 @@ class _Bucket:
         rates = self.rates
         if not rates:
             return EXPLORE_EVERY
-        return probe_cycle(min(rates.values()) / max(rates.values()))
+        slower, faster = sorted(SHAPES, key=rates.get)
+        return probe_cycle(rates[slower] / rates[faster],
+                           _step_time(self.times[slower]) / _step_time(self.times[faster]))
 
 
-def probe_cycle(slower_share: float) -> int:
+def probe_cycle(slower_share: float, time_ratio: float = 1.0) -> int:
     """Steps from one probe run's start to the next where the slower shape runs at
-    ``slower_share`` of the faster one's rate (the module docstring's rule).
+    ``slower_share`` of the faster one's rate and its steps take ``time_ratio`` times as
+    long (the module docstring's rule): a probe run takes PROBE_STEPS x time_ratio faster
+    steps' time and makes (1 - slower_share) of their tokens fewer.
 
-    >>> probe_cycle(1.0), probe_cycle(5 / 6), probe_cycle(0.5), probe_cycle(0.01)
-    (32, 100, 300, 512)
+    >>> probe_cycle(1.0), probe_cycle(5 / 6, 1.6), probe_cycle(0.5), probe_cycle(0.5, 0.5)
+    (32, 160, 300, 150)
+    >>> probe_cycle(0.01)
+    512
     """
-    lost = PROBE_STEPS * (1.0 - slower_share)  # faster steps a probe run costs
+    lost = PROBE_STEPS * time_ratio * (1.0 - slower_share)  # faster steps' tokens lost
     return min(max(round(lost / PROBE_BUDGET), EXPLORE_EVERY), MAX_CYCLE)
 
 

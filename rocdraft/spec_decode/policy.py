@@ -129,7 +129,7 @@ class DraftPolicy:
         self.repeats = 0
         # Steps observed and not yet folded in (``defer_observations``, ``flush``)
         self.defer_observations = False
-        self.pending: list[StepRecord] = []
+        self.pending: list[tuple[StepRecord, int]] = []  # (step, its chain's drafts)
         self.chain_drafts = 0  # drafts per request of the chain drafted last in tree mode
 
     # --- what the engine asks before drafting ----------------------------------------------
@@ -337,7 +337,9 @@ class DraftPolicy:
                 if bucket not in table]
 
     def add_costs(self, chain: bool, bucket: int, costs: StepCosts) -> None:
-        """Measured costs of one (chain?, bucket) table from ``costs_to_measure``."""
+        """Measured costs of one (chain?, bucket) table from ``costs_to_measure``. Steps
+        kept are folded first, on the costs they ran with (an abort can leave some)."""
+        self.flush()
         table = self.chain_step_costs if chain and self.tree is not None else self.step_costs
         table[bucket] = costs
 
@@ -384,7 +386,7 @@ class DraftPolicy:
             self._fold(step, self.chain_drafts)
             return
         if self.shape_chooser is not None:
-            if step.tree_paths is not None:
+            if step.verified_tree:
                 self.flush()
                 self._fold(step, self.chain_drafts)
                 return
