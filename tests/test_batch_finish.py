@@ -16,7 +16,8 @@ from rocdraft.spec_decode.batch_finish import (MAX_TRACKED, PRIOR_POSITIONS, SCA
                                                expected_max_normal, finish_step_times,
                                                tokens_per_step)
 from rocdraft.spec_decode.cost_model import StepCosts, expected_tokens
-from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
+from rocdraft.spec_decode.policy import DraftPolicy
+from rocdraft.spec_decode.step_record import StepRecord
 from rocdraft.spec_decode.realized_times import best_num_drafts
 
 K = 4

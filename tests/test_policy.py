@@ -8,8 +8,9 @@ import pytest
 from rocdraft.config import SpeculativeConfig
 from rocdraft.spec_decode.cost_model import StepCosts
 from rocdraft.spec_decode.draft_shape import MIN_TIME_SAMPLES
-from rocdraft.spec_decode.policy import DECIDE_EVERY, DraftPolicy, StepRecord
+from rocdraft.spec_decode.policy import DECIDE_EVERY, DraftPolicy
 from rocdraft.spec_decode.realized_times import RealizedStepTimes
+from rocdraft.spec_decode.step_record import StepRecord
 
 STATIC = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"  # depth 3, ranks 0 1 0 1 0 0
 DYNAMIC = dict(tree_depth=3, tree_top_k=2, tree_total_tokens=6)

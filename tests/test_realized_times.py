@@ -14,7 +14,8 @@ from hypothesis import example, given, strategies as st
 
 from rocdraft.config import SpeculativeConfig
 from rocdraft.spec_decode.cost_model import StepCosts
-from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
+from rocdraft.spec_decode.policy import DraftPolicy
+from rocdraft.spec_decode.step_record import StepRecord
 from rocdraft.spec_decode.realized_times import (RealizedStepTimes, best_num_drafts, calibrated,
                                                  prior_times, probe_cost, probe_interval)
 

@@ -15,7 +15,8 @@ from rocdraft.outputs import GenerationStats
 from rocdraft.sample.tree_sampler import TreeVerifyResult
 from rocdraft.spec_decode.batch_finish import BatchOutlook
 from rocdraft.spec_decode.draft_runner import draft_parts, drafts_from_rows
-from rocdraft.spec_decode.policy import DraftPolicy, StepRecord
+from rocdraft.spec_decode.policy import DraftPolicy
+from rocdraft.spec_decode.step_record import StepRecord
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ The engine asks, before it drafts:
 - ``costs_to_measure(largest_bucket)``: which step-cost tables it still lacks (the engine
   measures them, rocdraft/spec_decode/step_costs.py, and hands them back with ``add_costs``).
 
-After every step the engine tells it what happened in one ``observe(StepRecord)``: the
-chains' verified and accepted drafts, the verified dynamic trees' scores and paths, the
-step's time and tokens. The policy never calls a runner; it holds numbers, not models.
+After every step the engine tells it what happened in one ``observe(StepRecord)``
+(rocdraft/spec_decode/step_record.py): the chains' verified and accepted drafts, the
+verified dynamic trees' scores and paths, the step's time and tokens. The policy never
+calls a runner; it holds numbers, not models.
 
 State: acceptance (AcceptanceTracker, per chain position), step costs per batch bucket for
 the chain config or the dynamic tree (``step_costs``) and for a tree config's chains
@@ -32,8 +33,6 @@ from the config alone (the constructor's comments say when).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from rocdraft.config import SpeculativeConfig
 from rocdraft.drafter.tree_spec import DynamicTree, StaticTree
 from rocdraft.spec_decode.batch_finish import (BatchOutlook, RequestAcceptance,
@@ -43,6 +42,7 @@ from rocdraft.spec_decode.cost_model import (EXPLORE_EVERY, AcceptanceTracker, S
 from rocdraft.spec_decode.draft_shape import DraftShapeChooser, chain_on_tree_step
 from rocdraft.spec_decode.realized_times import (RealizedStepTimes, best_num_drafts,
                                                  prior_times, rescale)
+from rocdraft.spec_decode.step_record import StepRecord, verified_per_request
 from rocdraft.spec_decode.tree_budget import TreeAcceptanceEstimate, choose_nodes_per_request
 
 
@@ -55,38 +55,6 @@ SURE_SCALE = 2.0  # standard errors off 1 a lone request's scale must read to be
 # with it, 1.0364x without) and cost 0.4-0.8% of a bs 8 run on the built-in pair
 # (docs/draft-policy.md, twelfth session).
 DECIDE_EVERY = 4
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one engine step did, as the policy's estimates need it.
-
-    Per request of the batch, in batch order: ``samples`` (it sampled this step),
-    ``tree_parents`` (the parents of the tree it verified; [] for a chain or no drafts;
-    None for the whole batch when no tree was verified or the policy needs no paths) and
-    ``tree_paths`` (the accepted node per depth, -1 past the path's end). Per request that
-    verified a chain: ``chain_verified`` drafts, ``chain_accepted`` of them accepted. Per
-    request that verified a scored (dynamic) tree: ``tree_rows`` (its nodes' scores, its
-    accepted path)."""
-
-    batch_size: int
-    has_prefill: bool  # some request computed prompt tokens: not a pure step
-    seconds: float  # the whole step, schedule to request updates
-    produced: int  # tokens sampled, counted before a stop or max_tokens cut them
-    any_verified: bool  # some request verified drafts
-    drafted: bool  # the drafter ran and drafted (num_drafts > 0)
-    shape: str | None  # a tree config: what it drafted ("tree" | "chain"); else None
-    verified_tree: bool  # this step verified a tree (not only chains)
-    num_drafts: int = 0  # drafts per request the step made (a chain config; 0: none)
-    draft_seconds: float = 0.0  # of ``seconds``: the drafter's part (0: it did not run)
-    samples: list[bool] = field(default_factory=list)
-    chain_verified: list[int] = field(default_factory=list)
-    chain_accepted: list[int] = field(default_factory=list)
-    tree_rows: list[tuple[list[float], list[int]]] = field(default_factory=list)
-    tree_parents: list[list[int]] | None = None
-    tree_paths: list[list[int]] | None = None
-    chain_keys: list = field(default_factory=list)  # the requests of chain_verified
-    finished_keys: list = field(default_factory=list)  # requests that finished this step
 
 
 class DraftPolicy:
@@ -458,19 +426,3 @@ class DraftPolicy:
             self.shape_chooser.record(step.batch_size, step.shape, step.seconds,
                                       step.produced, chain_tokens)
         self.drafted_shape = step.shape
-
-
-def verified_per_request(step: StepRecord) -> int | None:
-    """The drafts every sampling request of ``step`` verified, or None when they verified
-    different counts (a request near max_model_len, one that just joined).
-
-    >>> verified_per_request(StepRecord(2, False, 0.1, 6, True, True, None, False,
-    ...                                 samples=[True, True], chain_verified=[2, 2]))
-    2
-    """
-    num_sampling = sum(step.samples)
-    if not step.any_verified:
-        return 0
-    if len(step.chain_verified) != num_sampling or len(set(step.chain_verified)) != 1:
-        return None
-    return step.chain_verified[0]
