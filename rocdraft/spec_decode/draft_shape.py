@@ -276,9 +276,10 @@ class DraftShapeChooser:
     def _bucket(self, batch_size: int) -> _Bucket:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        bucket = self.buckets.get(batch_bucket(batch_size))
+        key = batch_bucket(batch_size)
+        bucket = self.buckets.get(key)
         if bucket is None:  # (not setdefault: a _Bucket is built only when new)
-            bucket = self.buckets[batch_bucket(batch_size)] = _Bucket()
+            bucket = self.buckets[key] = _Bucket()
         return bucket
 
     def faster(self, batch_size: int) -> str | None:

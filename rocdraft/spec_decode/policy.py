@@ -97,7 +97,7 @@ class DraftPolicy:
         self.repeats = 0
         # Steps observed and not yet folded in (``defer_observations``, ``flush``)
         self.defer_observations = False
-        self.pending: list[tuple[StepRecord, int]] = []  # (step, its chain's drafts)
+        self.pending: list[StepRecord] = []
         self.chain_drafts = 0  # drafts per request of the chain drafted last in tree mode
 
     # --- what the engine asks before drafting ----------------------------------------------
@@ -348,34 +348,31 @@ class DraftPolicy:
         forward took 0.06-0.09 ms a step on the built-in pair, about 3x the same work warm).
         A tree config's shape chooser learns each step at once (it decides every step), and
         a step that verified a tree is folded at once, after the steps kept (what the chain
-        would have done on it reads the chain's estimates)."""
-        if not self.defer_observations or (self.realized_times is None
-                                           and self.chain_times is None):
-            self._fold(step, self.chain_drafts)
-            return
-        if self.shape_chooser is not None:
-            if step.verified_tree:
-                self.flush()
-                self._fold(step, self.chain_drafts)
-                return
+        would have done on it reads the chain's estimates). Kept steps are folded before
+        ``chain_drafts`` changes (a fresh decision flushes first), so each is folded with
+        the chain drafted that step."""
+        if self.defer_observations and not step.verified_tree \
+                and (self.realized_times is not None or self.chain_times is not None):
             self._fold_shape(step, 0.0)
-        self.pending.append((step, self.chain_drafts))
-        if len(self.pending) >= 4 * DECIDE_EVERY:  # no decision for a while: fold now
-            self.flush()
+            self.pending.append(step)
+            if len(self.pending) >= 4 * DECIDE_EVERY:  # no decision for a while: fold now
+                self.flush()
+            return
+        self.flush()
+        self._fold_shape(step, self._fold(step))
 
     def flush(self) -> None:
         """Fold the steps observed and not yet folded (``observe``), in order."""
         pending, self.pending = self.pending, []
-        for step, chain_drafts in pending:
-            self._fold(step, chain_drafts, shape_folded=True)
+        for step in pending:
+            self._fold(step)
 
-    def _fold(self, step: StepRecord, chain_drafts: int, shape_folded: bool = False) -> None:
+    def _fold(self, step: StepRecord) -> float:
         """Fold one step into the estimates: the chain a tree config would have drafted on
         its verified trees (its tokens and acceptance), the chains' acceptance, the dynamic
-        trees' acceptance, then the step's times for the realized step times (a tree
-        config's chains: ``chain_drafts`` the chain's drafts that step) and, unless
-        ``shape_folded`` (``observe`` did), its time and tokens for the shape chooser (steps
-        without prompt tokens only)."""
+        trees' acceptance, then the step's times for the realized step times -> what the
+        chain would have produced on its verified trees (0.0 without), for the shape
+        chooser (``_fold_shape``)."""
         chain_tokens = 0.0
         if self.shape_chooser is not None and step.tree_paths is not None:
             chain = chain_on_tree_step(
@@ -407,11 +404,10 @@ class DraftPolicy:
             # A step that verified only chains (a verify sample) and, when it drafted a
             # chain, a draft sample of the count drafted (a tree's drafting is none).
             self.chain_times.record(step.batch_size, verified_per_request(step),
-                                    chain_drafts, step.seconds - step.draft_seconds,
+                                    self.chain_drafts, step.seconds - step.draft_seconds,
                                     step.draft_seconds if step.shape == "chain" else 0.0,
                                     chain_costs)
-        if not shape_folded:
-            self._fold_shape(step, chain_tokens)
+        return chain_tokens
 
     def _fold_shape(self, step: StepRecord, chain_tokens: float) -> None:
         """The shape chooser's part of a step (a tree config under the cost policy): a pure
