@@ -69,12 +69,13 @@ finishes first; per step d = 1 looked ahead (2 * 1.8 / 10 = 0.36 tokens per ms a
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
-from rocdraft.spec_decode.cost_model import RATE_DECAY, expected_tokens
-from rocdraft.spec_decode.realized_times import best_num_drafts
+from rocdraft.spec_decode.cost_model import RATE_DECAY
+from rocdraft.spec_decode.realized_times import best_num_drafts, expected_all
 
 PRIOR_POSITIONS = 8.0  # positions of shrinkage towards the batch's rates (rho = 1)
 SCALE_STEPS = 32  # requests whose scales round alike (to 1/32) are counted as one group
@@ -110,10 +111,13 @@ class RequestAcceptance:
         if len(self.counts) > MAX_TRACKED:  # requests that left without finishing (aborted,
             # a client gone) are never forgotten: keep only this step's
             self.counts = {key: self.counts[key] for key in keys if key in self.counts}
+        counts = self.counts
         for key, v, a in zip(keys, verified, accepted):
-            entry = self.counts.setdefault(key, [0.0, 0.0])
+            entry = counts.get(key)
+            if entry is None:
+                entry = counts[key] = [0.0, 0.0]
             entry[0] = keep * entry[0] + a
-            entry[1] = keep * entry[1] + min(a + 1, v)
+            entry[1] = keep * entry[1] + (v if v < a + 1 else a + 1)  # min(a + 1, v)
 
     def seen_all(self, keys) -> bool:
         """Every request of ``keys`` has verified a draft (its scale is more than the
@@ -127,7 +131,8 @@ class RequestAcceptance:
         sqrt(p (1 - p) / (positions + PRIOR_POSITIONS))."""
         accepted, positions = self.counts.get(key, (0, 0))
         shrunk = (accepted + PRIOR_POSITIONS * pooled_rate) / (positions + PRIOR_POSITIONS)
-        return shrunk, math.sqrt(max(shrunk * (1.0 - shrunk), 0.0)
+        spread = shrunk * (1.0 - shrunk)
+        return shrunk, math.sqrt((0.0 if 0.0 > spread else spread)  # max(spread, 0.0)
                                  / (positions + PRIOR_POSITIONS))
 
     def scale_sd(self, key, pooled_rate: float) -> float:
@@ -201,12 +206,18 @@ def finish_step_times(times_full: list[float], times_one: list[float], batch_siz
     # Requests grouped by their scale (to 1 / SCALE_STEPS): per group the tokens left in
     # all (the sum term) and the most (its slowest request), so a step costs O(B + groups
     # * k) and not O(B * k) (1.4 ms at B = 256 per request, about 0.1 ms grouped).
+    # (The policy runs this at every fresh decision, after the target's forward: the hot
+    # loops below spell min / max as comparisons, with their results, ties included.)
     groups: dict[tuple[float, float], list[int]] = {}
     for r, rho, sd in zip(remaining, scales, scale_sds or [0.0] * len(scales)):
-        group = groups.setdefault((round(rho * SCALE_STEPS) / SCALE_STEPS,
-                                   round(sd * SCALE_STEPS) / SCALE_STEPS), [0, 0])
-        group[0] += r
-        group[1] = max(group[1], r)
+        key = (round(rho * SCALE_STEPS) / SCALE_STEPS, round(sd * SCALE_STEPS) / SCALE_STEPS)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [r, r if r > 0 else 0]  # (0 + r, max(0, r))
+        else:
+            group[0] += r
+            if r > group[1]:
+                group[1] = r
     k = len(times_full) - 1
     # Per group and d: its requests' steps (the sum term), and its slowest request's steps
     # with its spread and without; then per d the sum and the maxima over the groups.
@@ -219,9 +230,10 @@ def finish_step_times(times_full: list[float], times_one: list[float], batch_siz
             for mean, var, slope in zip(means, variances, slopes)])
         lag_means.append([most / mean for mean in means])
     out, before, mean_before = [], math.inf, math.inf
-    for d, (full, one, steps, slowest, slowest_mean) in enumerate(zip(
+    expected = expected_all(rates, k + 1)  # E(0..k)
+    for full, one, steps, slowest, slowest_mean, tokens in zip(
             times_full, times_one, map(sum, zip(*shares)), map(max, zip(*lags)),
-            map(max, zip(*lag_means)))):
+            map(max, zip(*lag_means)), expected):
         per_request = max(full - one, 0.0) / (batch_size - 1) if batch_size > 1 else 0.0
         fixed = max(one - per_request, 0.0)
         # One more draft never makes a request slower (on the same acceptance draws it
@@ -232,7 +244,7 @@ def finish_step_times(times_full: list[float], times_one: list[float], batch_siz
         slowest = min(slowest, before - TIE_SHARE * (mean_before - slowest_mean))
         before, mean_before = slowest, slowest_mean
         time = fixed * slowest + per_request * steps
-        out.append(time * expected_tokens(rates, d) / total)
+        out.append(time * tokens / total)
     return out
 
 
@@ -255,15 +267,19 @@ def _group_moments(rates: list[float], k: int, rho: float, sd: float
     high, low, width = rho + SLOPE_STEP, max(rho - SLOPE_STEP, 0.0), 2 * SLOPE_STEP
     up_survive, up_first, down_survive, down_first = 1.0, 0.0, 1.0, 0.0
     for j, alpha in enumerate(rates[:k], start=1):
-        survive *= min(rho * alpha, 1.0)
+        rate = rho * alpha
+        survive *= 1.0 if 1.0 < rate else rate  # min(rate, 1.0), spelled out (a hot loop)
         first += survive
         second += (2 * j - 1) * survive
         means.append(1.0 + first)
-        variances.append(max(second - first * first, 0.0))
+        spread = second - first * first
+        variances.append(0.0 if 0.0 > spread else spread)  # max(spread, 0.0)
         if sd > 0.0:
-            up_survive *= min(high * alpha, 1.0)
+            rate = high * alpha
+            up_survive *= 1.0 if 1.0 < rate else rate
             up_first += up_survive
-            down_survive *= min(low * alpha, 1.0)
+            rate = low * alpha
+            down_survive *= 1.0 if 1.0 < rate else rate
             down_first += down_survive
             slopes.append(((1.0 + up_first) - (1.0 + down_first)) / width * sd)
         else:
@@ -314,9 +330,15 @@ def left_after_this_step(remaining, scales: list[float], rates: list[float],
     out = []
     for r, rho in zip(remaining, scales):
         m = means.get(rho)
-        if m is None:
-            m = means[rho] = expected_tokens([min(rho * a, 1.0) for a in rates], verified)
-        out.append(max(r - m, 1.0))
+        if m is None:  # expected_tokens at rates min(rho * alpha, 1), spelled out
+            m, survive = 1.0, 1.0
+            for alpha in rates[:verified]:
+                rate = rho * alpha
+                survive *= 1.0 if 1.0 < rate else rate
+                m += survive
+            means[rho] = m
+        left = r - m
+        out.append(1.0 if 1.0 > left else left)  # max(left, 1.0)
     return out
 
 
@@ -350,6 +372,7 @@ def tokens_per_step(rates: list[float], max_drafts: int) -> tuple[list[float], l
     return means, variances
 
 
+@functools.lru_cache(maxsize=256)
 def expected_max_normal(count: int) -> float:
     """About E max of ``count`` standard normals (Blom's approximation): how far the slowest
     of ``count`` requests lags the mean in standard deviations.

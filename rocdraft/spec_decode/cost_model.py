@@ -178,4 +178,4 @@ class AcceptanceTracker:
 
 def batch_bucket(batch_size: int) -> int:
     """The power of two at or above ``batch_size``: costs are measured once per bucket."""
-    return 1 << max(batch_size - 1, 0).bit_length()
+    return 1 << (batch_size - 1).bit_length() if batch_size > 1 else 1

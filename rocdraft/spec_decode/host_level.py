@@ -122,5 +122,5 @@ def robust_mean(samples) -> float:
     """
     values = sorted(samples)
     if len(values) >= 2:
-        values = values[:-1]
+        values.pop()
     return sum(values) / len(values)
