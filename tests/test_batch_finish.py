@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from rocdraft.config import SpeculativeConfig
 from rocdraft.spec_decode.batch_finish import (MAX_TRACKED, PRIOR_POSITIONS, SCALE_STEPS,
@@ -68,6 +68,38 @@ def test_tokens_per_step_matches_the_distribution(rates, num_drafts):
     assert len(means) == len(variances) == num_drafts + 1
     assert means[-1] == pytest.approx(mean) == expected_tokens(rates, num_drafts)
     assert variances[-1] == pytest.approx(var, abs=1e-9)
+
+
+@example([1.0, 1.0, 0.9999999999999999, 0.9999999999999999], 1.0, 0.0, K, [5])  # a variance
+# that rounds to -1.8e-15 before it is clamped at 0
+@given(st.lists(st.floats(0.0, 1.0), min_size=K, max_size=K), st.floats(0.0, 2.5),
+       st.sampled_from([0.0, 0.03125, 0.2]), st.integers(0, K),
+       st.lists(st.integers(-3, 300), min_size=1, max_size=8))
+def test_the_hot_loops_are_the_builtin_formulas_bit_for_bit(rates, rho, sd, verified, left):
+    """``_group_moments`` and ``left_after_this_step`` spell ``min`` / ``max`` out (the policy
+    runs them at every fresh decision): bit for bit what the formulas with the builtins give,
+    scales above 1 (capped rates) and ties included."""
+    from rocdraft.spec_decode.batch_finish import _group_moments, left_after_this_step
+
+    def reference(r: float) -> tuple[list[float], list[float]]:
+        survive, first, second, means, variances = 1.0, 0.0, 0.0, [1.0], [0.0]
+        for j, alpha in enumerate(rates[:K], start=1):
+            survive *= min(r * alpha, 1.0)
+            first += survive
+            second += (2 * j - 1) * survive
+            means.append(1.0 + first)
+            variances.append(max(second - first * first, 0.0))
+        return means, variances
+
+    means, variances, slopes = _group_moments(rates, K, rho, sd)
+    assert (means, variances) == reference(rho)
+    high, low = reference(rho + SLOPE_STEP)[0], reference(max(rho - SLOPE_STEP, 0.0))[0]
+    assert slopes == [(u - w) / (2 * SLOPE_STEP) * sd if sd > 0.0 else 0.0
+                      for u, w in zip(high, low)]
+    scales = [rho] * len(left)
+    assert left_after_this_step(left, scales, rates, verified) == [
+        max(r - expected_tokens([min(rho * a, 1.0) for a in rates], verified), 1.0)
+        for r in left]
 
 
 @given(st.lists(st.tuples(st.integers(1, 300), st.floats(0.2, 2.0), st.floats(0.0, 0.5)),
