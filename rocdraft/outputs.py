@@ -47,8 +47,13 @@ class GenerationStats:
     num_tree_verify_steps: int = 0
     accepted_at_position: list[int] = field(default_factory=list)
     proposed_at_position: list[int] = field(default_factory=list)
+    # Host seconds per phase of the steps. "policy": the draft policy's calls the engine makes
+    # each step (the drafts to make with the batch's outlook, the step record it observes,
+    # the folding at a batch's end), out of "draft" and "bookkeeping"; a tree config's
+    # shape and budget decisions inside its drafting stay in "draft".
     time_s: dict[str, float] = field(default_factory=lambda: {
-        "target_verify": 0.0, "draft": 0.0, "sampler": 0.0, "bookkeeping": 0.0})
+        "target_verify": 0.0, "draft": 0.0, "sampler": 0.0, "bookkeeping": 0.0,
+        "policy": 0.0})
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -83,7 +88,7 @@ class GenerationStats:
 
     def add_step_times(self, **seconds: float) -> None:
         """One step more, and its seconds per phase (target_verify, draft, sampler,
-        bookkeeping)."""
+        bookkeeping, policy)."""
         self.num_steps += 1
         for phase, value in seconds.items():
             self.time_s[phase] = self.time_s.get(phase, 0.0) + value

@@ -34,7 +34,7 @@ from rocdraft.builtin import builtin_paths
 from rocdraft.bench.corpus import heldout_prompts
 from rocdraft.config import DTYPES
 
-PHASES = ("bookkeeping", "target_verify", "sampler", "draft")
+PHASES = ("bookkeeping", "target_verify", "sampler", "draft", "policy")
 
 
 def _parse() -> argparse.Namespace:

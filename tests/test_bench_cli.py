@@ -53,7 +53,8 @@ def test_bench_json_report(capsys, pair):
         # The cost policy may verify no drafts with a random head (no verification: 0.0).
         assert r["acceptance_length"] == 0.0 or 1.0 <= r["acceptance_length"] <= 3.0
         assert len(r["per_position_acceptance"]) == 2
-        assert set(r["time_split"]) == {"target_verify", "draft", "sampler", "bookkeeping"}
+        assert set(r["time_split"]) == {"target_verify", "draft", "sampler", "bookkeeping",
+                                        "policy"}
         assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=0.01)
         assert r["greedy_outputs_identical"] is True
         assert "vs_hf_generate" not in r

@@ -565,3 +565,40 @@ def test_the_head_reuses_the_targets_attention_plan_of_the_same_batch(
     assert engine.stats.acceptance_length > 1.5
     assert builds["target"] == steps  # one plan per step (plan() then forward())
     assert (builds["draft"] == 0) == shared and (shared or builds["draft"] >= steps)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_policys_calls_are_a_phase_of_their_own(accepting_pair, overlap):
+    """``GenerationStats.time_s["policy"]``: the draft policy's calls the engine makes each
+    step (the decision with the batch's outlook, the step it observes), taken out of the
+    "draft" and "bookkeeping" phases, in the synchronous and the async step. A policy whose
+    decision and observation each take 20 ms more shows them in "policy" and not in "draft";
+    target-only has no policy phase."""
+    import time as clock
+
+    target, head = accepting_pair
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = LLM(target, async_scheduling=overlap)
+    plain.generate([[1, 5, 7, 9]], params)
+    assert plain.last_stats.time_s["policy"] == 0.0
+    llm = LLM(target, draft=head, speculative_config=SpeculativeConfig(
+        "eagle3", 3, draft_policy="fixed"), async_scheduling=overlap)
+    num_drafts, observe = llm.policy.num_drafts, llm.policy.observe
+
+    def slow_num_drafts(*args, **kwargs):
+        clock.sleep(0.02)
+        return num_drafts(*args, **kwargs)
+
+    def slow_observe(*args, **kwargs):
+        clock.sleep(0.02)
+        return observe(*args, **kwargs)
+
+    llm.policy.num_drafts, llm.policy.observe = slow_num_drafts, slow_observe
+    out = llm.generate([[1, 5, 7, 9]], params)
+    stats = llm.last_stats
+    assert stats.acceptance_length > 2.0  # drafts were made and accepted
+    seconds, steps = stats.time_s, stats.num_steps
+    assert seconds["policy"] >= 0.04 * steps * 0.95
+    assert seconds["draft"] < 0.02 * steps
+    assert seconds["bookkeeping"] < 0.02 * steps
+    assert out[0].token_ids == plain.generate([[1, 5, 7, 9]], params)[0].token_ids

@@ -62,7 +62,7 @@ def test_instances_do_not_share_counters():
     a.time_s["draft"] += 1.5
     assert b.accepted_at_position == [0, 0] and b.proposed_at_position == [0, 0]
     assert b.time_s["draft"] == 0.0
-    assert set(a.time_s) == {"target_verify", "draft", "sampler", "bookkeeping"}
+    assert set(a.time_s) == {"target_verify", "draft", "sampler", "bookkeeping", "policy"}
 
 
 @settings(max_examples=100, deadline=None)

@@ -272,10 +272,12 @@ class LLMEngine:
         sampled, verified_tree = runner.verify(logits, batch, scheduled)
         t3, w3 = runner.clock(), runner.work_clock()
         has_prefill = has_prefill_tokens(scheduled)
-        outlook = batch_outlook(scheduled, scheduler, self.max_model_len) \
-            if policy is not None and policy.wants_outlook else None
-        num_drafts = 0 if policy is None else policy.num_drafts(
-            len(scheduled), outlook, prefill=has_prefill)
+        num_drafts, outlook, deciding = 0, None, 0.0
+        if policy is not None:
+            outlook = batch_outlook(scheduled, scheduler, self.max_model_len) \
+                if policy.wants_outlook else None
+            num_drafts = policy.num_drafts(len(scheduled), outlook, prefill=has_prefill)
+            deciding = runner.clock() - t3  # the policy's part of the draft phase
         drafts, shape = None, None
         if num_drafts or (drafter is not None and has_prefill):
             drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts,
@@ -286,15 +288,18 @@ class LLMEngine:
         results = apply_step(scheduler, scheduled, batch.samples, host.sampled, host.drafts,
                              stats, self.max_model_len, num_drafts, host.tree_paths)
         t5, w5 = runner.clock(), runner.work_clock()
+        observing = 0.0
         if policy is not None:  # step times on the work clock (ModelRunner.work_clock)
             policy.observe(step_record(scheduled, batch.samples, batch.draft_parents is not None,
                                        host, results, has_prefill, w5 - w0,
                                        num_drafts if drafts is not None else 0, w4 - w3,
                                        shape=shape))
+            if not scheduler.has_unfinished:
+                policy.flush()
+            observing = runner.clock() - t5
         stats.add_step_times(bookkeeping=(t1 - t0) + (t5 - t4), target_verify=t2 - t1,
-                             sampler=t3 - t2, draft=t4 - t3)
-        if policy is not None and not scheduler.has_unfinished:
-            policy.flush()
+                             sampler=t3 - t2, draft=t4 - t3 - deciding,
+                             policy=deciding + observing)
         return results.advanced
 
     def _drafting(self, lookahead: int) -> Drafting:

@@ -74,7 +74,7 @@ class LaunchedStep:
     sampled: torch.Tensor  # [B, max_drafts + 1] int64 on the device, -1 = rejected
     host: torch.Tensor  # [B, w] sampled (and drafts) on the host (pinned on a GPU)
     copied: object  # a torch.cuda.Event recorded after the copy; None on the CPU
-    seconds: dict  # the phases' host seconds: bookkeeping, target_verify, sampler, draft
+    seconds: dict  # the phases' host seconds: bookkeeping, target_verify, sampler, draft, policy
     drafts: torch.Tensor | None = None  # [B, num_drafts] int64: the next step's drafts
     num_drafts: int = 0  # drafts per request the step made (0: none)
     marks: WorkMarks | None = None  # its start, drafting's start and end (the policy's)
@@ -262,9 +262,10 @@ class DecodeOverlap:
         ahead = None if in_flight is None else [int(entry is not None) for entry in in_flight]
         sampled, _ = runner.verify(logits, batch, scheduled, ahead)
         t3 = runner.clock()
-        drafts, num_drafts = None, 0
+        drafts, num_drafts, deciding = None, 0, 0.0
         if drafting is not None:
             num_drafts = drafting.num_drafts(scheduled)
+            deciding = runner.clock() - t3  # the policy's part of the draft phase
             marks.mark()
             # (a prompt's step keeps the head's cache in step: a continuation has one where
             # a request was admitted beside it)
@@ -279,8 +280,8 @@ class DecodeOverlap:
                                    else torch.cat([sampled, drafts], dim=1))
         return LaunchedStep(scheduled, batch, sampled, host, copied,
                             {"bookkeeping": t1 - t0, "target_verify": t2 - t1,
-                             "sampler": t3 - t2, "draft": t4 - t3}, drafts, num_drafts,
-                            marks)
+                             "sampler": t3 - t2, "draft": t4 - t3 - deciding,
+                             "policy": deciding}, drafts, num_drafts, marks)
 
     def _land(self, step: LaunchedStep, scheduler: Scheduler, stats: GenerationStats):
         runner = self.runner
@@ -298,14 +299,16 @@ class DecodeOverlap:
         results = apply_step(scheduler, scheduled, [step.batch.samples[i] for i in live],
                              sampled, drafts, stats, self.max_model_len, step.num_drafts)
         seconds = dict(step.seconds)
-        seconds["bookkeeping"] += runner.clock() - t0
-        stats.add_step_times(**seconds)
+        t1 = runner.clock()
+        seconds["bookkeeping"] += t1 - t0
         if self.drafting is not None:
             # the step's work: its launch and its landing on the host, or on a GPU the
             # device's time where that was longer (the host then worked beside it)
             landing = runner.work_clock() - w0
             work = (step.marks.between(0, 2, landing), step.marks.between(1, 2))
             self.drafting.observe(step, live, sampled, drafts, results, prefill, work)
+            seconds["policy"] += runner.clock() - t1
+        stats.add_step_times(**seconds)
         return results.advanced
 
 
