@@ -76,9 +76,9 @@ def test_tokens_per_step_matches_the_distribution(rates, num_drafts):
        st.sampled_from([0.0, 0.03125, 0.2]), st.integers(0, K),
        st.lists(st.integers(-3, 300), min_size=1, max_size=8))
 def test_the_hot_loops_are_the_builtin_formulas_bit_for_bit(rates, rho, sd, verified, left):
-    """``_group_moments`` and ``left_after_this_step`` spell ``min`` / ``max`` out (the policy
-    runs them at every fresh decision): bit for bit what the formulas with the builtins give,
-    scales above 1 (capped rates) and ties included."""
+    """``_group_moments`` spells ``min`` / ``max`` out (the policy runs it per request group at
+    every fresh decision): bit for bit what the formula with the builtins gives, scales above
+    1 (capped rates) and ties included; ``left_after_this_step`` reads the same capped rates."""
     from rocdraft.spec_decode.batch_finish import _group_moments, left_after_this_step
 
     def reference(r: float) -> tuple[list[float], list[float]]:

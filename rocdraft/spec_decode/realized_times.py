@@ -66,6 +66,7 @@ B = 3) are kept as 12 x 22 / 19 = 13.9 ms for v = 2 at B = 4, and estimate T(2) 
 from __future__ import annotations
 
 import functools
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -141,11 +142,9 @@ def calibrated(samples: dict[int, deque], prior: list[float]) -> list[float]:
     [2.0, 3.0, 4.0]
     """
     measured = {d: robust_mean(s) for d, s in samples.items() if s and d < len(prior)}
-    ratios = sorted(m / prior[d] for d, m in measured.items() if prior[d] > 0)
-    half = len(ratios) // 2  # the median as ``statistics.median`` takes it, without its checks
-    scale = 1.0 if not ratios else ratios[half] if len(ratios) % 2 \
-        else (ratios[half - 1] + ratios[half]) / 2
-    return [measured[d] if d in measured else p * scale for d, p in enumerate(prior)]
+    ratios = [m / prior[d] for d, m in measured.items() if prior[d] > 0]
+    scale = statistics.median(ratios) if ratios else 1.0
+    return [measured.get(d, p * scale) for d, p in enumerate(prior)]
 
 
 def rescale(seconds: float, prior_to: float, prior_from: float) -> float:
