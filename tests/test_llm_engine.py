@@ -568,6 +568,43 @@ def test_the_head_reuses_the_targets_attention_plan_of_the_same_batch(
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_the_step_times_the_policy_learns_leave_out_its_own_decision(accepting_pair, overlap):
+    """The step times a ``StepRecord`` carries (the whole step and its draft part, on the
+    work clock: this thread's CPU time) leave out the policy's decision, in the synchronous
+    and the async step: a decision that burns 50 ms of CPU does not show in any step's
+    time, which the tiny pair runs in a few ms. (Before, the synchronous step counted it in
+    the draft part of the count decided, and the async step in the verify part of the next:
+    fresh decisions cluster on probes, so the probed counts read slow.)"""
+    import time as clock
+
+    target, head = accepting_pair
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(target, draft=head, speculative_config=SpeculativeConfig(
+        "eagle3", 3, draft_policy="fixed"), async_scheduling=overlap)
+    num_drafts, observe = llm.policy.num_drafts, llm.policy.observe
+    records = []
+
+    def busy_num_drafts(*args, **kwargs):
+        start = clock.thread_time()
+        while clock.thread_time() - start < 0.05:
+            pass
+        return num_drafts(*args, **kwargs)
+
+    def recording_observe(step):
+        records.append(step)
+        return observe(step)
+
+    llm.policy.num_drafts, llm.policy.observe = busy_num_drafts, recording_observe
+    llm.generate([[1, 5, 7, 9]], params)
+    assert llm.last_stats.acceptance_length > 2.0  # drafts were made and accepted
+    assert len(records) == llm.last_stats.num_steps
+    assert sum(r.draft_seconds > 0 for r in records) >= 2
+    assert all(0 < r.seconds < 0.025 and 0 <= r.draft_seconds < r.seconds for r in records), \
+        [(r.seconds, r.draft_seconds) for r in records]
+    assert llm.last_stats.time_s["policy"] >= 0.05 * len(records) * 0.95
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_the_policys_calls_are_a_phase_of_their_own(accepting_pair, overlap):
     """``GenerationStats.time_s["policy"]``: the draft policy's calls the engine makes each
     step (the decision with the batch's outlook, the step it observes), taken out of the

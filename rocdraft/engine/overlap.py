@@ -77,7 +77,8 @@ class LaunchedStep:
     seconds: dict  # the phases' host seconds: bookkeeping, target_verify, sampler, draft, policy
     drafts: torch.Tensor | None = None  # [B, num_drafts] int64: the next step's drafts
     num_drafts: int = 0  # drafts per request the step made (0: none)
-    marks: WorkMarks | None = None  # its start, drafting's start and end (the policy's)
+    # its start, the policy's decision's start and end, drafting's end (the policy's clock)
+    marks: WorkMarks | None = None
 
 
 class WorkMarks:
@@ -98,14 +99,23 @@ class WorkMarks:
             event.record()
             self.device.append(event)
 
-    def between(self, first: int, last: int, landing: float = 0.0) -> float:
+    def between(self, first: int, last: int, landing: float = 0.0,
+                skip: tuple[int, int] | None = None) -> float:
         """Seconds from mark ``first`` to mark ``last``, plus ``landing`` seconds of host
-        work after them: on the CPU the host's; on a GPU (once both events completed) the
-        longer of the device's and the host's, the one that paced the step."""
+        work after them, less the span between the two marks of ``skip`` on each clock: on
+        the CPU the host's; on a GPU (once the events completed) the longer of the device's
+        and the host's, the one that paced the step. (Two events recorded back to back read
+        apart only by the time the device sat idle between them, so a skipped host span
+        comes off the device's time only where the device waited for it.)"""
         host = self.host[last] - self.host[first] + landing
+        if skip is not None:
+            host -= self.host[skip[1]] - self.host[skip[0]]
         if not self.events:
             return host
-        return max(self.device[first].elapsed_time(self.device[last]) / 1e3, host)
+        device = self.device[first].elapsed_time(self.device[last]) / 1e3
+        if skip is not None:
+            device -= self.device[skip[0]].elapsed_time(self.device[skip[1]]) / 1e3
+        return max(device, host)
 
 
 @dataclass(frozen=True)
@@ -264,6 +274,7 @@ class DecodeOverlap:
         t3 = runner.clock()
         drafts, num_drafts, deciding = None, 0, 0.0
         if drafting is not None:
+            marks.mark()
             num_drafts = drafting.num_drafts(scheduled)
             deciding = runner.clock() - t3  # the policy's part of the draft phase
             marks.mark()
@@ -304,8 +315,9 @@ class DecodeOverlap:
         if self.drafting is not None:
             # the step's work: its launch and its landing on the host, or on a GPU the
             # device's time where that was longer (the host then worked beside it)
+            # (less the policy's decision, as in the synchronous step: LLMEngine._step)
             landing = runner.work_clock() - w0
-            work = (step.marks.between(0, 2, landing), step.marks.between(1, 2))
+            work = (step.marks.between(0, 3, landing, skip=(1, 2)), step.marks.between(2, 3))
             self.drafting.observe(step, live, sampled, drafts, results, prefill, work)
             seconds["policy"] += runner.clock() - t1
         stats.add_step_times(**seconds)
