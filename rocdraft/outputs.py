@@ -48,9 +48,9 @@ class GenerationStats:
     accepted_at_position: list[int] = field(default_factory=list)
     proposed_at_position: list[int] = field(default_factory=list)
     # Host seconds per phase of the steps. "policy": the draft policy's calls the engine makes
-    # each step (the drafts to make with the batch's outlook, the step record it observes,
-    # the folding at a batch's end), out of "draft" and "bookkeeping"; a tree config's
-    # shape and budget decisions inside its drafting stay in "draft".
+    # each step (the drafts to make with the batch's outlook, a tree config's shape and
+    # budget, the step record it observes, the folding at a batch's end), out of "draft"
+    # and "bookkeeping".
     time_s: dict[str, float] = field(default_factory=lambda: {
         "target_verify": 0.0, "draft": 0.0, "sampler": 0.0, "bookkeeping": 0.0,
         "policy": 0.0})

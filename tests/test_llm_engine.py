@@ -604,6 +604,41 @@ def test_the_step_times_the_policy_learns_leave_out_its_own_decision(accepting_p
     assert llm.last_stats.time_s["policy"] >= 0.05 * len(records) * 0.95
 
 
+def test_a_tree_configs_shape_decision_is_the_policys_time_not_the_steps(accepting_pair):
+    """A tree config's policy picks the shape, the chain's drafts and the tree's budget
+    before the drafting (``LLMEngine._tree_choice``): that time is in the "policy" phase and
+    in no step time the policy learns, as a chain config's decision (a shape decision that
+    burns 50 ms of CPU)."""
+    import time as clock
+
+    target, head = accepting_pair
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(target, draft=head, speculative_config=SpeculativeConfig(
+        "eagle3", 3, tree_depth=3, tree_top_k=2, tree_total_tokens=6))
+    assert llm.policy.shape_chooser is not None
+    shape, observe = llm.policy.shape, llm.policy.observe
+    records = []
+
+    def busy_shape(batch_size):
+        start = clock.thread_time()
+        while clock.thread_time() - start < 0.05:
+            pass
+        return shape(batch_size)
+
+    def recording_observe(step):
+        records.append(step)
+        return observe(step)
+
+    llm.policy.shape, llm.policy.observe = busy_shape, recording_observe
+    llm.generate([[1, 5, 7, 9]], params)
+    stats = llm.last_stats
+    assert stats.acceptance_length > 1.5
+    assert len(records) == stats.num_steps and {r.shape for r in records} >= {"tree"}
+    assert all(0 < r.seconds < 0.025 for r in records), [r.seconds for r in records]
+    assert stats.time_s["policy"] >= 0.05 * len(records) * 0.95
+    assert stats.time_s["draft"] < 0.025 * len(records)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_policys_calls_are_a_phase_of_their_own(accepting_pair, overlap):
     """``GenerationStats.time_s["policy"]``: the draft policy's calls the engine makes each

@@ -272,18 +272,20 @@ class LLMEngine:
         sampled, verified_tree = runner.verify(logits, batch, scheduled)
         t3, w3 = runner.clock(), runner.work_clock()
         has_prefill = has_prefill_tokens(scheduled)
-        num_drafts, outlook, deciding, w_decided = 0, None, 0.0, w3
+        num_drafts, outlook, tree_choice, deciding, w_decided = 0, None, None, 0.0, w3
         if policy is not None:
             outlook = batch_outlook(scheduled, scheduler, self.max_model_len) \
                 if policy.wants_outlook else None
             num_drafts = policy.num_drafts(len(scheduled), outlook, prefill=has_prefill)
+            tree_choice = self._tree_choice(len(scheduled), outlook) \
+                if self.tree is not None else None
             deciding = runner.clock() - t3  # the policy's part of the draft phase
             w_decided = runner.work_clock()
         drafts, shape = None, None
         if num_drafts or (drafter is not None and has_prefill):
             drafts, shape = self._propose(batch, sampled, out, verified_tree, num_drafts,
                                           plan if drafter.shares_plan_with(runner.backend)
-                                          else None, outlook)
+                                          else None, tree_choice)
         t4, w4 = runner.clock(), runner.work_clock()
         host = read_step(sampled, drafts, verified_tree, scheduled, policy)
         results = apply_step(scheduler, scheduled, batch.samples, host.sampled, host.drafts,
@@ -336,29 +338,36 @@ class LLMEngine:
 
         return Drafting(drafter.aux_layer_ids, lookahead, num_drafts, propose, observe)
 
+    def _tree_choice(self, batch_size: int, outlook) -> tuple[str, int | None]:
+        """A tree config's policy's picks for this step: ("chain", its drafts) or ("tree",
+        the batch node budget or None); its chains read the batch's ``outlook``
+        (rocdraft/engine/request_updates.py ``batch_outlook``). Decided with the policy's
+        other calls, before the drafting: their time is the policy's, not the shape's."""
+        policy = self.policy
+        shape = policy.shape(batch_size)
+        if shape == "chain":
+            return shape, policy.chain_drafts_in_tree_mode(batch_size, outlook)
+        return shape, policy.tree_budget(batch_size)
+
     def _propose(self, batch, sampled, out, verified_tree, num_drafts: int, target_plan,
-                 outlook=None):
+                 tree_choice: tuple[str, int | None] | None = None):
         """The next step's drafts -> (ChainDrafts or TreeDrafts, the shape a tree config
         drafted or None): a chain config drafts max(num_drafts, 1) (a prompt-only step
         still runs the head's first forward, which keeps its cache in step with the
-        target's); a tree config the shape and budget its policy picks (its chains read the
-        batch's ``outlook``, rocdraft/engine/request_updates.py ``batch_outlook``).
+        target's); a tree config what ``tree_choice`` (``_tree_choice``) says.
         target_plan: the target's attention plan of ``batch`` for the head to reuse, or
         None."""
-        drafter, policy, batch_size = self.draft_runner, self.policy, len(batch.samples)
+        drafter = self.draft_runner
         hidden = drafter.head_features(out)
         graphs = self.model_runner.graphs
         if self.tree is None:
             return drafter.propose_chain(batch, sampled, hidden, max(num_drafts, 1),
                                          target_plan=target_plan, target_graphs=graphs), None
-        shape = policy.shape(batch_size)
+        shape, count = tree_choice
         if shape == "chain":
-            return drafter.propose_chain(batch, sampled, hidden,
-                                         policy.chain_drafts_in_tree_mode(batch_size,
-                                                                          outlook),
-                                         verified_tree, target_plan, graphs), shape
-        return drafter.propose_tree(batch, sampled, hidden, verified_tree,
-                                    policy.tree_budget(batch_size), target_plan,
+            return drafter.propose_chain(batch, sampled, hidden, count, verified_tree,
+                                         target_plan, graphs), shape
+        return drafter.propose_tree(batch, sampled, hidden, verified_tree, count, target_plan,
                                     graphs), shape
 
     def _ensure_step_costs(self, scheduler: Scheduler, batch_size: int | None = None) -> None:
