@@ -567,6 +567,30 @@ def test_the_head_reuses_the_targets_attention_plan_of_the_same_batch(
     assert (builds["draft"] == 0) == shared and (shared or builds["draft"] >= steps)
 
 
+def _burning_cpu(call, seconds: float = 0.05):
+    """``call`` after burning ``seconds`` of this thread's CPU time (the work clock the
+    policy's step times are read on: a sleep would not show there)."""
+    import time as clock
+
+    def burning(*args, **kwargs):
+        start = clock.thread_time()
+        while clock.thread_time() - start < seconds:
+            pass
+        return call(*args, **kwargs)
+    return burning
+
+
+def _record_observed(policy) -> list:
+    """The StepRecords ``policy`` observes from now on, in order."""
+    records, observe = [], policy.observe
+
+    def recording(step):
+        records.append(step)
+        return observe(step)
+    policy.observe = recording
+    return records
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_step_times_the_policy_learns_leave_out_its_own_decision(accepting_pair, overlap):
     """The step times a ``StepRecord`` carries (the whole step and its draft part, on the
@@ -575,26 +599,12 @@ def test_the_step_times_the_policy_learns_leave_out_its_own_decision(accepting_p
     time, which the tiny pair runs in a few ms. (Before, the synchronous step counted it in
     the draft part of the count decided, and the async step in the verify part of the next:
     fresh decisions cluster on probes, so the probed counts read slow.)"""
-    import time as clock
-
     target, head = accepting_pair
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm = LLM(target, draft=head, speculative_config=SpeculativeConfig(
         "eagle3", 3, draft_policy="fixed"), async_scheduling=overlap)
-    num_drafts, observe = llm.policy.num_drafts, llm.policy.observe
-    records = []
-
-    def busy_num_drafts(*args, **kwargs):
-        start = clock.thread_time()
-        while clock.thread_time() - start < 0.05:
-            pass
-        return num_drafts(*args, **kwargs)
-
-    def recording_observe(step):
-        records.append(step)
-        return observe(step)
-
-    llm.policy.num_drafts, llm.policy.observe = busy_num_drafts, recording_observe
+    llm.policy.num_drafts = _burning_cpu(llm.policy.num_drafts)
+    records = _record_observed(llm.policy)
     llm.generate([[1, 5, 7, 9]], params)
     assert llm.last_stats.acceptance_length > 2.0  # drafts were made and accepted
     assert len(records) == llm.last_stats.num_steps
@@ -609,27 +619,13 @@ def test_a_tree_configs_shape_decision_is_the_policys_time_not_the_steps(accepti
     before the drafting (``LLMEngine._tree_choice``): that time is in the "policy" phase and
     in no step time the policy learns, as a chain config's decision (a shape decision that
     burns 50 ms of CPU)."""
-    import time as clock
-
     target, head = accepting_pair
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm = LLM(target, draft=head, speculative_config=SpeculativeConfig(
         "eagle3", 3, tree_depth=3, tree_top_k=2, tree_total_tokens=6))
     assert llm.policy.shape_chooser is not None
-    shape, observe = llm.policy.shape, llm.policy.observe
-    records = []
-
-    def busy_shape(batch_size):
-        start = clock.thread_time()
-        while clock.thread_time() - start < 0.05:
-            pass
-        return shape(batch_size)
-
-    def recording_observe(step):
-        records.append(step)
-        return observe(step)
-
-    llm.policy.shape, llm.policy.observe = busy_shape, recording_observe
+    llm.policy.shape = _burning_cpu(llm.policy.shape)
+    records = _record_observed(llm.policy)
     llm.generate([[1, 5, 7, 9]], params)
     stats = llm.last_stats
     assert stats.acceptance_length > 1.5
