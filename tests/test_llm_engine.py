@@ -642,8 +642,6 @@ def test_the_policys_calls_are_a_phase_of_their_own(accepting_pair, overlap):
     "draft" and "bookkeeping" phases, in the synchronous and the async step. A policy whose
     decision and observation each take 20 ms more shows them in "policy" and not in "draft";
     target-only has no policy phase."""
-    import time as clock
-
     target, head = accepting_pair
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = LLM(target, async_scheduling=overlap)
@@ -651,17 +649,8 @@ def test_the_policys_calls_are_a_phase_of_their_own(accepting_pair, overlap):
     assert plain.last_stats.time_s["policy"] == 0.0
     llm = LLM(target, draft=head, speculative_config=SpeculativeConfig(
         "eagle3", 3, draft_policy="fixed"), async_scheduling=overlap)
-    num_drafts, observe = llm.policy.num_drafts, llm.policy.observe
-
-    def slow_num_drafts(*args, **kwargs):
-        clock.sleep(0.02)
-        return num_drafts(*args, **kwargs)
-
-    def slow_observe(*args, **kwargs):
-        clock.sleep(0.02)
-        return observe(*args, **kwargs)
-
-    llm.policy.num_drafts, llm.policy.observe = slow_num_drafts, slow_observe
+    llm.policy.num_drafts = _burning_cpu(llm.policy.num_drafts, 0.02)
+    llm.policy.observe = _burning_cpu(llm.policy.observe, 0.02)
     out = llm.generate([[1, 5, 7, 9]], params)
     stats = llm.last_stats
     assert stats.acceptance_length > 2.0  # drafts were made and accepted
