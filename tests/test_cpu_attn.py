@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from rocdraft.backends import registry
 from rocdraft.backends.base import Feature, GraphCapture
-from rocdraft.backends.cpu_attn import (CpuAttnBackend, CpuAttnBuilder, CpuAttnImpl,
-                                        CpuAttnMetadata, _write_plan, query_groups)
+from rocdraft.backends.cpu_attn import (BlockPlan, CpuAttnBackend, CpuAttnBuilder, CpuAttnImpl,
+                                        CpuAttnMetadata, _write_plan, first_of_run,
+                                        gather_kv, query_groups)
 from rocdraft.backends.kv_cache import FP8_DTYPES, NHD, SPLIT_K, allocate_kv_cache
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.torch_sdpa import TorchSDPABuilder, TorchSDPAImpl
@@ -406,7 +407,7 @@ def test_draft_loop_plan_equals_per_step_plans(batch_size, num_steps, block_size
         for size in {block_size, 4}:
             got, want = fast.block_plan(size), ref.block_plan(size)
             assert got.width == want.width and torch.equal(got.block_ids, want.block_ids)
-            assert torch.equal(got.mask, want.mask)
+            assert torch.equal(got.mask, want.mask) and got.run_start == want.run_start
 
 
 def test_draft_loop_plan_falls_back_per_step_for_other_shapes():
@@ -421,3 +422,95 @@ def test_draft_loop_plan_falls_back_per_step_for_other_shapes():
         ref = CpuAttnBuilder("cpu").build_for_drafting(c, 1)
         assert fast.common is c and torch.equal(fast.mask, ref.mask)
         assert torch.equal(fast.block_plan(4).mask, ref.block_plan(4).mask)
+
+
+def test_first_of_run_examples():
+    ids = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    assert first_of_run(ids([7, 8, 9])) == 7 and first_of_run(ids([3])) == 3
+    assert first_of_run(ids([0, 1])) == 0
+    for other in ([7, 9, 10], [9, 8, 7], [7, 7, 8], [4, 5, 0, 0]):  # a padded row: 0s
+        assert first_of_run(ids(other)) is None
+    assert first_of_run(ids([])) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12))
+def test_first_of_run_is_the_start_of_exactly_the_consecutive_lists(ids):
+    got = first_of_run(torch.tensor(ids, dtype=torch.long))
+    consecutive = all(b == a + 1 for a, b in zip(ids, ids[1:]))
+    assert got == (ids[0] if consecutive else None)
+
+
+@pytest.mark.parametrize("layout, cache_dtype", [(NHD, torch.float32), (SPLIT_K, torch.float32),
+                                                 (NHD, torch.bfloat16),
+                                                 (NHD, FP8_DTYPES[0])])
+@pytest.mark.parametrize("specs", [[(13, 1)], [(13, 5)], [(0, 6)]],
+                         ids=["decode", "verify", "prompt"])
+def test_a_lone_requests_run_of_blocks_is_read_in_place(layout, cache_dtype, specs):
+    """A request whose blocks are consecutive (a FIFO allocator's, blocks 1..n) is read as a
+    slice of the cache, not copied: the same output as the oracle and, bit for bit, as the
+    copying gather of the same plan; the keys share the cache's storage."""
+    make = lambda: Case(specs, layout=layout, cache_dtype=cache_dtype, block_size=4,  # noqa
+                        seed=31, consecutive_blocks=True)
+    fast, oracle, fast_case, oracle_case = _both(make)
+    torch.testing.assert_close(fast, oracle, atol=1e-5, rtol=1e-5)
+    _assert_same_caches(fast_case, oracle_case)
+    case = make()
+    _, _, _, slots = case.new_token_inputs()
+    meta = CpuAttnBuilder("cpu").build(_common(case, slots))
+    plan = meta.block_plan(case.block_size)
+    assert plan.run_start == 1
+    in_place = gather_kv(case.cache, plan, 1)
+    copied = gather_kv(case.cache, plan._replace(run_start=None), 1)
+    for got, want in zip(in_place, copied):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+    if layout == NHD and cache_dtype == torch.float32:  # no dequantising copy: a view
+        start = case.cache.key.data_ptr()
+        end = start + case.cache.key.numel() * case.cache.key.element_size()
+        assert start <= in_place[0].data_ptr() < end
+
+
+def test_a_batch_or_shuffled_blocks_are_copied():
+    """Two requests' blocks (even each a run) and a lone request's shuffled blocks are no
+    run: ``gather_kv`` copies them, as before."""
+    two = Case([(9, 1), (6, 1)], block_size=4, seed=32, consecutive_blocks=True)
+    lone = Case([(13, 1)], block_size=4, seed=5)
+    assert lone.block_table[0, :4].tolist() != list(range(int(lone.block_table[0, 0]),
+                                                         int(lone.block_table[0, 0]) + 4))
+    for case in (two, lone):
+        _, _, _, slots = case.new_token_inputs()
+        plan = CpuAttnBuilder("cpu").build(_common(case, slots)).block_plan(case.block_size)
+        assert plan.run_start is None
+
+
+def test_engine_alone_requests_read_runs_and_keep_the_oracles_tokens():
+    """Prompts one at a time through the engine (EAGLE-3 k = 3, the built-in pair): the
+    plans read runs of blocks in place (the FIFO allocator hands a lone request consecutive
+    blocks) and the greedy tokens are TORCH_SDPA's."""
+    import rocdraft.backends.cpu_attn as cpu_attn
+    from rocdraft import LLM, SamplingParams, SpeculativeConfig
+    from rocdraft.builtin import builtin_paths
+
+    pair = builtin_paths()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 99, 310, 42, 7], list(range(40, 71))]
+    starts = []
+    real = cpu_attn.first_of_run
+
+    def spy(block_ids):
+        starts.append(real(block_ids))
+        return starts[-1]
+
+    outputs = {}
+    for backend in ("TORCH_SDPA", "CPU_ATTN"):
+        llm = LLM(pair.target, draft=pair.eagle3, max_num_seqs=4, max_model_len=128,
+                  attention_backend=backend, speculative_config=SpeculativeConfig(
+                      "eagle3", 3, draft_policy="fixed"))
+        cpu_attn.first_of_run = spy
+        try:
+            outputs[backend] = [llm.generate([p], params)[0].token_ids for p in prompts]
+        finally:
+            cpu_attn.first_of_run = real
+        assert llm.last_stats.acceptance_length > 1.5  # drafts were accepted
+    assert outputs["CPU_ATTN"] == outputs["TORCH_SDPA"]
+    assert starts and sum(s is not None for s in starts) > 0.9 * len(starts)

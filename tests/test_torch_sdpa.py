@@ -41,7 +41,9 @@ class Case:
 
     def __init__(self, specs, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
                  layout=NHD, cache_dtype=torch.float32, q_dtype=torch.float32, seed=0,
-                 per_head_scale=False):
+                 per_head_scale=False, consecutive_blocks=False):
+        """consecutive_blocks: the requests' blocks are runs of ascending ids from block 1
+        (a FIFO allocator's), not a random permutation."""
         g = torch.Generator().manual_seed(seed)
         self.specs, self.num_heads, self.num_kv_heads = specs, num_heads, num_kv_heads
         self.head_dim, self.block_size, self.q_dtype = head_dim, block_size, q_dtype
@@ -49,7 +51,8 @@ class Case:
         blocks_per_req = [math.ceil(s / block_size) for s in self.seq_lens]
         num_blocks = sum(blocks_per_req) + 2
         max_blocks = max(blocks_per_req) + 1
-        perm = torch.randperm(num_blocks, generator=g).tolist()
+        perm = list(range(1, num_blocks)) if consecutive_blocks \
+            else torch.randperm(num_blocks, generator=g).tolist()
         self.block_table = torch.full((len(specs), max_blocks), -1, dtype=torch.int32)
         for i, n in enumerate(blocks_per_req):
             self.block_table[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
