@@ -64,7 +64,9 @@ with a C++ toolchain), and compiling this forward lost on the CPU (see below); i
 adopted. The backend as built (KV write + attention per layer, the plan amortised over the
 target's 8 layers), against TORCH_SDPA in the same process: bs 1 decode 62 vs 191 µs
 (3.1x), bs 8 decode 240 vs 543 (2.3x), bs 1 verify 80 vs 213 (2.7x), bs 8 verify 359 vs
-701 (2.0x).
+701 (2.0x). With a lone request's run of blocks read in place (a bs 1 decode at 160 tokens,
+the caches warm, another process on the second core): 43.8 µs against 47.8 with the same
+blocks shuffled (copied) and 139.5 for TORCH_SDPA.
 
 ``torch.compile(model.forward, dynamic=True)`` (default mode) on the CPU: ~40 s to compile
 and 2.4x SLOWER per bs-8 decode forward than eager (30.2 vs 12.4 ms; the in-place paged-KV
