@@ -23,10 +23,10 @@ What differs is where the work happens:
   A uniform batch (every request has ``max_query_len`` tokens: all decodes, all
   ``1 + k`` verifies, draft steps) is a pure view: no query scatter, no output gather.
   Where the blocks to read are one run of consecutive block ids (a lone request's, from
-  the FIFO allocator; ``first_of_run``, checked once per plan) the cache's slice is read in
-  place: a view instead of each layer's two copies (as many ops, 46 fewer nested ones per bs
-  1 decode step on the built-in target and 68 per EAGLE-3 k = 4 step, whose head's four
-  forwards read runs too; ``scripts/profile_step.py``). Measured on one engine with the
+  the FIFO allocator; the metadata's host flag ``block_run_start``, set where the step's
+  batch is built, rocdraft/core/step_batch.py) the cache's slice is read in place: a view
+  instead of each layer's two copies (as many ops, fewer nested ones; the draft loop's
+  steps, planned from the block table alone, still copy). Measured on one engine with the
   path toggled per run (1 thread, 8 held-out prompts one at a time x 64 tokens, 16
   interleaved rounds, paired medians, two runs): target-only +2.4% and +0.5%, fixed 4
   +0.4% (EAGLE-3) and +1.3% (EAGLE-1); the same tokens.
@@ -121,8 +121,9 @@ class CpuAttnMetadata:
             width = num_blocks * block_size
             # Keys past num_keys (the last block's tail) are masked like any invisible key.
             mask = F.pad(self.mask, (0, max(width - self.num_keys, 0)), value=float("-inf"))
-            block_ids = self.block_ids[:, :num_blocks].reshape(-1)
-            plan = BlockPlan(block_ids, width, mask[..., :width], first_of_run(block_ids))
+            plan = BlockPlan(self.block_ids[:, :num_blocks].reshape(-1), width,
+                             mask[..., :width], self.common.block_run_start
+                             if self.common.num_reqs == 1 else None)
             self.by_block_size[block_size] = plan
         return plan
 
@@ -131,26 +132,9 @@ class BlockPlan(NamedTuple):
     block_ids: torch.Tensor  # [batch_size * num_blocks] int64: the blocks to gather
     width: int  # num_blocks * block_size keys per request
     mask: torch.Tensor  # [batch_size, 1, num_query_rows, width] float32
-    # block_ids[0] when block_ids are consecutive ascending (``first_of_run``): then the
-    # blocks are a slice of the cache, read in place (``gather_kv``); else None
+    # a lone request's first block when its blocks are one run of the cache (the
+    # metadata's host flag ``block_run_start``): read as a slice of it (``gather_kv``)
     run_start: int | None = None
-
-
-def first_of_run(block_ids: torch.Tensor) -> int | None:
-    """block_ids[0] when ``block_ids`` [n] (int64, on the CPU) are n consecutive ascending
-    block ids, else None: a lone request's blocks from the FIFO allocator
-    (rocdraft/core/block_allocator.py) nearly always are, and a slice of the cache then
-    stands in for ``gather_kv``'s two copies per layer. One host read of n ints per plan
-    (per step), none of a device tensor (None there).
-
-    Example: [7, 8, 9] -> 7; [7, 9, 10] -> None; [3] -> 3; [] -> None.
-    """
-    n = block_ids.shape[0]
-    if n == 0 or block_ids.device.type != "cpu":
-        return None
-    ids = block_ids.tolist()
-    first = ids[0]
-    return first if ids == list(range(first, first + n)) else None
 
 
 def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,8 +299,7 @@ class CpuAttnBuilder(MetadataBuilder):
         the host that no step's slot is padding: no write redirect (``_write_targets``).
         stacked: the steps' (seq_lens, slot_mapping), each [num_steps, B], when the caller
         has them so (the draft schedule: each common's tensors are their rows), else stacked
-        here. Sync-free: reads no device tensor (``first_of_run`` reads the CPU block ids
-        once per loop). About 12 ops per loop plus one per step (14 more
+        here. Sync-free: reads no tensor. About 12 ops per loop plus one per step (14 more
         per loop with the redirect), whatever the batch size and the number of steps."""
         first = commons[0]
         if not all(_is_draft_step(c) and c.block_table is first.block_table
@@ -333,7 +316,7 @@ class CpuAttnBuilder(MetadataBuilder):
             plan_width = num_blocks * block_size
             plan_blocks = (block_ids if num_blocks == block_ids.shape[1]
                            else block_ids[:, :num_blocks]).reshape(-1)
-            run_start = first_of_run(plan_blocks)
+            run_start = first.block_run_start if batch_size == 1 else None
         width = max(num_keys, plan_width)
         step_seq_lens = torch.stack([c.seq_lens for c in commons]) if stacked is None \
             else stacked[0]  # [S, B]
