@@ -23,7 +23,7 @@ What differs is where the work happens:
   A uniform batch (every request has ``max_query_len`` tokens: all decodes, all
   ``1 + k`` verifies, draft steps) is a pure view: no query scatter, no output gather.
   Where the blocks to read are one run of consecutive block ids (a lone request's, from
-  the FIFO allocator; the metadata's host flag ``block_run_start``, set where the step's
+  the FIFO allocator; the metadata's host flag ``block_run``, set where the step's
   batch is built, rocdraft/core/step_batch.py) the cache's slice is read in place: a view
   instead of each layer's two copies (as many ops, fewer nested ones; the draft loop's
   steps, planned from the block table alone, still copy). Measured on one engine with the
@@ -123,8 +123,7 @@ class CpuAttnMetadata:
             # Keys past num_keys (the last block's tail) are masked like any invisible key.
             mask = F.pad(self.mask, (0, max(width - self.num_keys, 0)), value=float("-inf"))
             plan = BlockPlan(self.block_ids[:, :num_blocks].reshape(-1), width,
-                             mask[..., :width], self.common.block_run_start
-                             if self.common.num_reqs == 1 else None)
+                             mask[..., :width], run_start(self.common, num_blocks))
             self.by_block_size[block_size] = plan
         return plan
 
@@ -133,9 +132,23 @@ class BlockPlan(NamedTuple):
     block_ids: torch.Tensor  # [batch_size * num_blocks] int64: the blocks to gather
     width: int  # num_blocks * block_size keys per request
     mask: torch.Tensor  # [batch_size, 1, num_query_rows, width] float32
-    # a lone request's first block when its blocks are one run of the cache (the
-    # metadata's host flag ``block_run_start``): read as a slice of it (``gather_kv``)
+    # a lone request's first block when the blocks to read are one run of the cache
+    # (``run_start``): read as a slice of it (``gather_kv``)
     run_start: int | None = None
+
+
+def run_start(common: CommonAttentionMetadata, num_blocks: int) -> int | None:
+    """The first of the ``num_blocks`` blocks a plan reads when they are one run of the cache:
+    the batch is one request and the metadata's host flag ``block_run`` says its blocks are
+    consecutive, at least ``num_blocks`` of them; else None (they are copied). Reads no
+    tensor.
+
+    Example: block_run (7, 3), one request: 2 blocks -> 7, 3 -> 7, 4 -> None.
+    """
+    run = common.block_run
+    if run is None or common.num_reqs != 1 or num_blocks > run[1]:
+        return None
+    return run[0]
 
 
 def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +330,7 @@ class CpuAttnBuilder(MetadataBuilder):
             plan_width = num_blocks * block_size
             plan_blocks = (block_ids if num_blocks == block_ids.shape[1]
                            else block_ids[:, :num_blocks]).reshape(-1)
-            run_start = first.block_run_start if batch_size == 1 else None
+            first_block = run_start(first, num_blocks)
         width = max(num_keys, plan_width)
         step_seq_lens = torch.stack([c.seq_lens for c in commons]) if stacked is None \
             else stacked[0]  # [S, B]
@@ -340,7 +353,8 @@ class CpuAttnBuilder(MetadataBuilder):
                                    write_slots, write_rows, None)
             if block_size is not None:
                 meta.by_block_size[block_size] = BlockPlan(plan_blocks, plan_width,
-                                                           _keys(mask, plan_width), run_start)
+                                                           _keys(mask, plan_width),
+                                                           first_block)
             metas.append(meta)
         return metas
 

@@ -70,10 +70,10 @@ class CommonAttentionMetadata:
     # False promises nothing; with_updates resets it when slot_mapping changes.
     no_padding_slots: bool = False
     # The builder knew on the host that the batch is one request whose blocks, in
-    # block_table order, are consecutive ascending block ids starting at this one
-    # (``run_start``): backends may read its keys as a slice of the cache. None promises
+    # block_table order, are consecutive ascending block ids: (the first, how many;
+    # ``block_run``), so backends may read its keys as a slice of the cache. None promises
     # nothing; with_updates resets it when block_table changes.
-    block_run_start: int | None = None
+    block_run: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.query_start_loc.shape[0] != self.num_reqs + 1:
@@ -91,7 +91,7 @@ class CommonAttentionMetadata:
         if "slot_mapping" in changes:
             changes.setdefault("no_padding_slots", False)
         if "block_table" in changes:
-            changes.setdefault("block_run_start", None)
+            changes.setdefault("block_run", None)
         return replace(self, **changes)
 
     @staticmethod
@@ -101,7 +101,7 @@ class CommonAttentionMetadata:
                  ) -> "CommonAttentionMetadata":
         """Build from host lists (the scheduler's view); tensors are copied to ``device``.
         no_padding_slots: the caller checked that no slot is PADDING_SLOT_ID. A batch of one
-        request gets ``block_run_start`` from its (host) block table row."""
+        request gets ``block_run`` from its (host) block table row."""
         qsl_cpu = torch.tensor(query_start_loc, dtype=torch.int32)
         sl_cpu = torch.tensor(seq_lens, dtype=torch.int32)
         query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
@@ -114,27 +114,29 @@ class CommonAttentionMetadata:
             block_table=host_to_device(block_table.to(torch.int32), device),
             slot_mapping=host_to_device(slot_mapping.to(torch.int64), device), causal=causal,
             no_padding_slots=no_padding_slots,
-            block_run_start=run_start(block_table[0].tolist()) if len(seq_lens) == 1 else None)
+            block_run=block_run(block_table[0].tolist()) if len(seq_lens) == 1 else None)
 
 
-def run_start(blocks: list[int]) -> int | None:
-    """blocks[0] when a request's block ids (host ints; -1 pads a table row) are consecutive
-    ascending up to the first -1, else None: a lone request's blocks from the FIFO allocator
-    (rocdraft/core/block_allocator.py) nearly always are, and CPU_ATTN then reads them as a
-    slice of the cache (backends/cpu_attn.py).
+def block_run(blocks: list[int]) -> tuple[int, int] | None:
+    """(blocks[0], n) when a request's block ids (host ints; -1 pads a table row) are n
+    consecutive ascending ids up to the first -1, else None: a lone request's blocks from
+    the FIFO allocator (rocdraft/core/block_allocator.py) nearly always are, and CPU_ATTN
+    then reads them as a slice of the cache (backends/cpu_attn.py).
 
-    >>> run_start([7, 8, 9, -1]), run_start([7, 9, 10]), run_start([3]), run_start([-1, -1])
-    (7, None, 3, None)
+    >>> block_run([7, 8, 9, -1]), block_run([7, 9, 10]), block_run([3]), block_run([-1, -1])
+    ((7, 3), None, (3, 1), None)
     """
     first = blocks[0] if blocks else -1
     if first < 0:
         return None
-    for offset, block in enumerate(blocks):
+    count = 0
+    for block in blocks:
         if block < 0:
             break
-        if block != first + offset:
+        if block != first + count:
             return None
-    return first
+        count += 1
+    return first, count
 
 
 def check_spec_mask(mask: torch.Tensor, num_reqs: int) -> None:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from rocdraft.backends import registry
 from rocdraft.backends.base import Feature, GraphCapture
 from rocdraft.backends.cpu_attn import (CpuAttnBackend, CpuAttnBuilder, CpuAttnImpl,
-                                        CpuAttnMetadata, _write_plan, gather_kv, query_groups)
+                                        CpuAttnMetadata, _write_plan, gather_kv, query_groups,
+                                        run_start)
 from rocdraft.backends.kv_cache import FP8_DTYPES, NHD, SPLIT_K, allocate_kv_cache
 from rocdraft.backends.metadata import CommonAttentionMetadata
 from rocdraft.backends.torch_sdpa import TorchSDPABuilder, TorchSDPAImpl
@@ -450,6 +451,18 @@ def test_a_lone_requests_run_of_blocks_is_read_in_place(layout, cache_dtype, spe
         start = case.cache.key.data_ptr()
         end = start + case.cache.key.numel() * case.cache.key.element_size()
         assert start <= in_place[0].data_ptr() < end
+
+
+def test_run_start_needs_one_request_and_enough_blocks_in_its_run():
+    """A plan reads a slice only where the flagged run holds every block it reads (a
+    longer read would run past the request's blocks, or past the cache's end)."""
+    table = torch.tensor([[7, 8, 9, -1]], dtype=torch.int32)
+    lone = CommonAttentionMetadata.from_cpu([0, 1], [10], table, torch.tensor([37]), "cpu")
+    assert [run_start(lone, n) for n in (1, 2, 3, 4)] == [7, 7, 7, None]
+    assert run_start(lone.with_updates(block_run=None), 2) is None
+    two = lone.with_updates(num_reqs=2, query_start_loc=torch.tensor([0, 1, 1]),
+                            seq_lens=torch.tensor([10, 0]), block_run=(7, 3))
+    assert run_start(two, 2) is None  # a flag on a batch of two is not read
 
 
 def test_a_batch_or_shuffled_blocks_are_copied():

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rocdraft.backends.metadata import CommonAttentionMetadata, run_start, token_layout
+from rocdraft.backends.metadata import CommonAttentionMetadata, block_run, token_layout
 
 
 def naive_token_layout(query_lens, seq_lens, num_tokens):
@@ -177,31 +177,33 @@ def test_a_new_slot_mapping_drops_the_no_padding_promise():
                                no_padding_slots=True).no_padding_slots
 
 
-def test_run_start_examples():
-    assert run_start([7, 8, 9, -1]) == 7 and run_start([3]) == 3 and run_start([0, 1]) == 0
+def test_block_run_examples():
+    assert block_run([7, 8, 9, -1]) == (7, 3) and block_run([3]) == (3, 1)
+    assert block_run([0, 1]) == (0, 2)
     for other in ([7, 9, 10], [9, 8, 7], [7, 7, 8], [4, 5, 0, 0], [-1, -1], [], [-1, 2]):
-        assert run_start(other) is None
+        assert block_run(other) is None
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(0, 4))
-def test_run_start_is_the_first_block_of_exactly_the_consecutive_rows(blocks, padding):
+def test_block_run_is_exactly_the_consecutive_rows(blocks, padding):
     """A table row (its blocks, then -1 padding) is a run exactly when its blocks are
-    consecutive ascending ids."""
+    consecutive ascending ids: (the first, how many)."""
     consecutive = all(b == a + 1 for a, b in zip(blocks, blocks[1:]))
-    assert run_start(blocks + [-1] * padding) == (blocks[0] if consecutive else None)
+    want = (blocks[0], len(blocks)) if consecutive else None
+    assert block_run(blocks + [-1] * padding) == want
 
 
 def test_from_cpu_flags_a_lone_requests_run_and_a_new_table_drops_it():
     table = torch.tensor([[4, 5, 6, -1]], dtype=torch.int32)
     lone = CommonAttentionMetadata.from_cpu([0, 1], [9], table, torch.tensor([24]), "cpu")
-    assert lone.block_run_start == 4
-    assert lone.with_updates(causal=False).block_run_start == 4  # the table kept: kept
-    assert lone.with_updates(block_table=table.flip(1)).block_run_start is None
+    assert lone.block_run == (4, 3)
+    assert lone.with_updates(causal=False).block_run == (4, 3)  # the table kept: kept
+    assert lone.with_updates(block_table=table.flip(1)).block_run is None
     two = CommonAttentionMetadata.from_cpu([0, 1, 2], [5, 5],
                                            torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
                                            torch.tensor([4, 12]), "cpu")
-    assert two.block_run_start is None  # a batch: never one slice
+    assert two.block_run is None  # a batch: never one slice
     shuffled = CommonAttentionMetadata.from_cpu([0, 1], [9], table[:, [1, 0, 2, 3]],
                                                 torch.tensor([24]), "cpu")
-    assert shuffled.block_run_start is None
+    assert shuffled.block_run is None

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from rocdraft.backends.kv_cache import PADDING_SLOT_ID
-from rocdraft.backends.metadata import CommonAttentionMetadata, run_start
+from rocdraft.backends.metadata import CommonAttentionMetadata, block_run
 from rocdraft.drafter.tree_index import host_depths, verify_tree_mask
 from rocdraft.core.multimodal import step_inputs as step_image_inputs
 from rocdraft.core.scheduler import ScheduledRequest
@@ -255,7 +255,7 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
         return dev[name] if pad_to is None else dev[name][:count]
 
     def common_of(num_rows: int, tokens: int, qsl_host: list[int], lens_host: list[int],
-                  no_padding: bool, cut=first, block_run: int | None = None
+                  no_padding: bool, cut=first, run: tuple[int, int] | None = None
                   ) -> CommonAttentionMetadata:
         return CommonAttentionMetadata(
             query_start_loc=cut("query_start_loc", num_rows + 1),
@@ -267,18 +267,18 @@ def build_step_batch(scheduled: list[ScheduledRequest], max_blocks_per_seq: int,
             max_seq_len=max(lens_host, default=0),
             block_table=cut("block_table", num_rows), slot_mapping=cut("slot_mapping", tokens),
             spec_mask=cut("spec_mask", num_rows) if branching else None,
-            no_padding_slots=no_padding, block_run_start=block_run if num_rows == 1 else None)
+            no_padding_slots=no_padding, block_run=run if num_rows == 1 else None)
 
-    # a lone request's blocks as one run of the cache (backends/metadata.py ``run_start``)
-    block_run = run_start(table_rows[0]) if num_reqs == 1 else None
+    # a lone request's blocks as one run of the cache (backends/metadata.py ``block_run``)
+    run = block_run(table_rows[0]) if num_reqs == 1 else None
     common = common_of(num_reqs, num_tokens, real_qsl, host_seq_lens, no_padding_slots,
-                       block_run=block_run)
+                       run=run)
     padded = None
     if pad_to is not None:
         padded = PaddedInputs(dev["input_ids"], dev["positions"],
                               common_of(rows, qsl[-1], qsl,
                                         host_seq_lens + seq_lens[num_reqs:], False,
-                                        cut=lambda name, _: dev[name], block_run=block_run),
+                                        cut=lambda name, _: dev[name], run=run),
                               dev["sample_indices"])
     images = step_image_inputs(image_rows, positions[:num_tokens], real_qsl, device)
     return StepBatch(
