@@ -29,8 +29,9 @@ What differs is where the work happens:
   steps, planned from the block table alone, still copy). Measured on one engine with the
   path toggled per run (1 thread, 8 held-out prompts one at a time x 64 tokens, 12-16
   interleaved rounds, paired medians): target-only +2.4%, +0.5% and -0.2%, EAGLE-3 fixed 4
-  +0.4% and +1.0%, EAGLE-1 fixed 4 +1.3%; the same tokens (the first two runs of each with
-  the draft loop's steps in place too).
+  +0.4% and +1.0%, EAGLE-1 fixed 4 +1.3%; the same tokens (all but the last target-only
+  and the last EAGLE-3 run measured a first version that read the draft loop's steps in
+  place too, and the block table with a host read: the drafting path must read none).
   For one query per request GQA is folded into the query rows (``[B, Hk, G, D]``, a view),
   so SDPA sees MHA with a ``[B, 1, 1, S]`` mask broadcast over the G rows.
 - A ragged batch where a few requests have long queries (a prompt chunk joining decodes or
