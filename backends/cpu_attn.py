@@ -25,13 +25,14 @@ What differs is where the work happens:
   Where the blocks to read are one run of consecutive block ids (a lone request's, from
   the FIFO allocator; the metadata's host flag ``block_run``, set where the step's
   batch is built, rocdraft/core/step_batch.py) the cache's slice is read in place: a view
-  instead of each layer's two copies (as many ops, fewer nested ones; the draft loop's
-  steps, planned from the block table alone, still copy). Measured on one engine with the
+  instead of each layer's two copies (as many ops, fewer nested ones), in the target's
+  layers, the head's first forward and its draft steps (drafter/eagle.py hands the loop the
+  step's flag). Measured on one engine with the
   path toggled per run (1 thread, 8 held-out prompts one at a time x 64 tokens, 12-16
   interleaved rounds, paired medians): target-only +2.4%, +0.5% and -0.2%, EAGLE-3 fixed 4
-  +0.4% and +1.0%, EAGLE-1 fixed 4 +1.3%; the same tokens (all but the last target-only
-  and the last EAGLE-3 run measured a first version that read the draft loop's steps in
-  place too, and the block table with a host read: the drafting path must read none).
+  +0.4% and +1.0%, EAGLE-1 fixed 4 +1.3%; the same tokens (the last target-only and the
+  last EAGLE-3 run measured a version whose draft loop still copied; the others a first
+  version that read the block table with a host read, which the drafting path must not).
   For one query per request GQA is folded into the query rows (``[B, Hk, G, D]``, a view),
   so SDPA sees MHA with a ``[B, 1, 1, S]`` mask broadcast over the G rows.
 - A ragged batch where a few requests have long queries (a prompt chunk joining decodes or

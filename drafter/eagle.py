@@ -204,7 +204,8 @@ class EagleProposer:
             common.max_seq_len + num_drafts - 1 <= self.max_model_len
         drafts = self._draft_loop(draft_ids, positions, seq_lens, sample_hidden,
                                   common.block_table, kv_caches, common.max_seq_len,
-                                  steps=num_drafts - 1, no_padding_slots=no_padding)
+                                  steps=num_drafts - 1, no_padding_slots=no_padding,
+                                  block_run=common.block_run)
         return torch.stack([draft_ids, *drafts], dim=1)  # [B, k]
 
     def first_forward(self, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
@@ -285,10 +286,13 @@ class EagleProposer:
     def _draft_loop(self, draft_ids: torch.Tensor, positions: torch.Tensor,
                     seq_lens: torch.Tensor, hidden: torch.Tensor, block_table: torch.Tensor,
                     kv_caches: list[LayerKVCache], seq_len_bound: int, steps: int | None,
-                    no_padding_slots: bool) -> list[torch.Tensor]:
+                    no_padding_slots: bool, block_run: tuple[int, int] | None = None
+                    ) -> list[torch.Tensor]:
         """``draft_steps`` before the stacking -> [drafts of step 1, ..., of step k-1], each
         [B] int64. Planned once per loop where the indexer and the builder allow
-        (``_plan_all_steps``): a step then runs only the head and the argmax."""
+        (``_plan_all_steps``): a step then runs only the head and the argmax. block_run:
+        the step's ``CommonAttentionMetadata.block_run`` (the block table is the step's),
+        so a backend may read a lone request's blocks in place in every draft step too."""
         batch_size = draft_ids.shape[0]
         steps = self.num_speculative_tokens - 1 if steps is None else steps
         query_start_loc, query_start_loc_cpu = self._single_token_query_start_loc(batch_size)
@@ -305,7 +309,7 @@ class EagleProposer:
                 query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc_cpu,
                 seq_lens=step_seq_lens, seq_lens_cpu=seq_lens_cpu, num_reqs=batch_size,
                 num_actual_tokens=batch_size, max_query_len=1, max_seq_len=max_seq_len,
-                block_table=block_table, slot_mapping=slots, causal=True)
+                block_table=block_table, slot_mapping=slots, causal=True, block_run=block_run)
 
         planned = self._plan_all_steps(indexer, steps, step_common, no_padding_slots)
         drafts = []

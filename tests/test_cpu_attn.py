@@ -480,8 +480,8 @@ def test_a_batch_or_shuffled_blocks_are_copied():
 
 def test_engine_alone_requests_read_runs_and_keep_the_oracles_tokens(monkeypatch):
     """Prompts one at a time through the engine (EAGLE-3 k = 3, the built-in pair): the
-    target's and the head's first forwards read runs of blocks in place (the FIFO allocator
-    hands a lone request consecutive blocks; the draft loop's steps copy), and the greedy
+    target's layers, the head's first forward and its draft steps read runs of blocks in
+    place (the FIFO allocator hands a lone request consecutive blocks), and the greedy
     tokens are TORCH_SDPA's."""
     import rocdraft.backends.cpu_attn as cpu_attn
     from rocdraft import LLM, SamplingParams, SpeculativeConfig
@@ -506,5 +506,4 @@ def test_engine_alone_requests_read_runs_and_keep_the_oracles_tokens(monkeypatch
         outputs[backend] = [llm.generate([p], params)[0].token_ids for p in prompts]
         assert llm.last_stats.acceptance_length > 1.5  # drafts were accepted
     assert outputs["CPU_ATTN"] == outputs["TORCH_SDPA"]
-    # per step: 8 target layers and the head's first forward in place, 2 draft steps copied
-    assert in_place and sum(in_place) >= 0.75 * len(in_place)
+    assert in_place and sum(in_place) >= 0.95 * len(in_place), (sum(in_place), len(in_place))
