@@ -29,10 +29,11 @@ What differs is where the work happens:
   layers, the head's first forward and its draft steps (drafter/eagle.py hands the loop the
   step's flag). Measured on one engine with the
   path toggled per run (1 thread, 8 held-out prompts one at a time x 64 tokens, 12-16
-  interleaved rounds, paired medians): target-only +2.4%, +0.5% and -0.2%, EAGLE-3 fixed 4
-  +0.4% and +1.0%, EAGLE-1 fixed 4 +1.3%; the same tokens (the last target-only and the
-  last EAGLE-3 run measured a version whose draft loop still copied; the others a first
-  version that read the block table with a host read, which the drafting path must not).
+  interleaved rounds, paired medians): target-only +2.4%, +0.5%, -0.2% and -1.5% (no gain
+  the runs can show), EAGLE-3 fixed 4 +0.4%, +1.0% and +2.3% [+0.5%, +3.9% quartiles],
+  EAGLE-1 fixed 4 +1.3%; the same tokens. (The last pair of runs measured this version;
+  the one before it a version whose draft loop still copied; the first ones a version that
+  read the block table with a host read, which the drafting path must not.)
   For one query per request GQA is folded into the query rows (``[B, Hk, G, D]``, a view),
   so SDPA sees MHA with a ``[B, 1, 1, S]`` mask broadcast over the G rows.
 - A ragged batch where a few requests have long queries (a prompt chunk joining decodes or
