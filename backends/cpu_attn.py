@@ -406,14 +406,11 @@ def gather_kv(cache: LayerKVCache, plan: BlockPlan, batch_size: int
     that are one run of the cache (``plan.run_start``: a lone request, as a rule) are a
     slice of it, read in place; others are copied out by one ``index_select`` per tensor."""
     if plan.run_start is not None:  # the blocks are a slice of the cache: read in place
-        num_blocks = plan.block_ids.shape[0]
-        picked = LayerKVCache(cache.key.narrow(0, plan.run_start, num_blocks),
-                              cache.value.narrow(0, plan.run_start, num_blocks),
-                              cache.layout, cache.k_scale, cache.v_scale)
+        def pick(t): return t.narrow(0, plan.run_start, plan.block_ids.shape[0])
     else:
-        picked = LayerKVCache(cache.key.index_select(0, plan.block_ids),
-                              cache.value.index_select(0, plan.block_ids),
-                              cache.layout, cache.k_scale, cache.v_scale)
+        def pick(t): return t.index_select(0, plan.block_ids)
+    picked = LayerKVCache(pick(cache.key), pick(cache.value), cache.layout, cache.k_scale,
+                          cache.v_scale)
     if cache.layout == NHD and cache.key.dtype == torch.float32 and cache.k_scale is None \
             and cache.v_scale is None:
         key, value = picked.key, picked.value  # [B * num_blocks, block_size, Hk, D]
