@@ -267,7 +267,9 @@ MIXED = [0.95, 0.9, 0.9, 0.9, 0.85, 0.85, 0.55, 0.45]
 
 
 @pytest.mark.parametrize("alphas, within, per_step_beyond", [
-    (MIXED, 1.04, 1.06),
+    # per step 1.0545 (1.0768 before the settled counts below the best were probed rarely,
+    # rocdraft/spec_decode/realized_times.py ``due_probe``); with the outlook 1.0122
+    (MIXED, 1.04, 1.04),
     # two requests the head cannot draft for: d = 0 is best, found once their scales are
     # sure (STOP_OPTIMISM; 1.056 when the outlook stopped on the first low reading)
     ([0.95] * 6 + [0.3] * 2, 1.10, 1.15),

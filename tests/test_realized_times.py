@@ -16,8 +16,10 @@ from rocdraft.config import SpeculativeConfig
 from rocdraft.spec_decode.cost_model import StepCosts
 from rocdraft.spec_decode.policy import DraftPolicy
 from rocdraft.spec_decode.step_record import StepRecord
-from rocdraft.spec_decode.realized_times import (RealizedStepTimes, best_num_drafts, calibrated,
-                                                 prior_times, probe_cost, probe_interval)
+from rocdraft.spec_decode.realized_times import (RARE_COST, RARE_FACTOR, SETTLED,
+                                                 RealizedStepTimes, best_num_drafts, calibrated,
+                                                 due_probe, prior_times, probe_cost,
+                                                 probe_interval)
 
 K = 4
 
@@ -94,10 +96,59 @@ def test_probes_cost_under_2_percent_and_close_counts_are_probed_more_often():
     cost = sum(probe_cost(step_times, rates, 4, d) for d in choices if d != 4)
     assert 0 < cost / len(choices) < 0.02
     assert counts[3] > counts[2] > counts[1] >= counts[0] > 0, counts
-    for d in (0, 1, 2, 3):  # probes of d come probe_interval(its cost) steps apart
+    for d in (0, 1, 2, 3):  # each count below the best costs over RARE_COST a probe here
+        cost = probe_cost(step_times, rates, 4, d)
+        assert cost >= RARE_COST
+        # its first SETTLED probes come probe_interval(cost) steps apart (the sweep drafted
+        # it twice, and the first probe is due probe_interval steps after); once settled,
+        # RARE_FACTOR times as far
         at = [i for i, c in enumerate(choices) if c == d]
-        assert min(b - a for a, b in zip(at, at[1:])) == \
-            probe_interval(probe_cost(step_times, rates, 4, d))
+        gaps = [b - a for a, b in zip(at, at[1:])]
+        assert gaps[0] == probe_interval(cost), (d, gaps)
+        assert set(gaps[SETTLED - 1:]) == {probe_interval(cost, rare=True)}, (d, gaps)
+
+
+def test_only_settled_dear_counts_below_the_best_are_probed_rarely():
+    """``due_probe``'s rare probes: a count below the best, drafted SETTLED times since the
+    sweep, whose probe costs at least RARE_COST (its positions are verified at every step
+    of the best; what a probe could still change is its time alone). A count above the
+    best (positions the best does not verify) and a count close to the best (a near tie:
+    d = 0 against d = 1 at bs 8 on the built-in pair) keep the usual interval."""
+    step_times, rates = [1.0, 1.1, 1.25, 1.8, 2.4], [0.9] * K
+    assert best_num_drafts(step_times, rates) == 2
+    cost = {d: probe_cost(step_times, rates, 2, d) for d in range(K + 1)}
+    assert cost[0] >= RARE_COST and cost[4] >= RARE_COST  # 0 below 2, 4 above
+    just_due = {d: probe_interval(cost[d]) for d in range(K + 1)}
+    since = {d: just_due[d] for d in (0, 4)} | {1: 0, 2: 0, 3: 0}
+    assert due_probe(step_times, rates, 2, {**since, 4: 0}) == 0  # not settled: due
+    assert due_probe(step_times, rates, 2, {**since, 4: 0}, settled={0}) is None
+    assert due_probe(step_times, rates, 2, {**since, 0: RARE_FACTOR * just_due[0], 4: 0},
+                     settled={0}) == 0
+    assert due_probe(step_times, rates, 2, {**since, 0: 0}, settled={0}) == 4  # above
+    # a near tie below the best: d = 0 at 1 token per unit of time against d = 1's 1.012
+    near, near_rates = [1.0, 1.8, 2.7], [0.82, 0.5]
+    assert best_num_drafts(near, near_rates) == 1
+    assert probe_cost(near, near_rates, 1, 0) < RARE_COST
+    tie = probe_interval(probe_cost(near, near_rates, 1, 0))
+    assert due_probe(near, near_rates, 1, {0: tie, 1: 0, 2: 0}, settled={0}) == 0
+
+
+def test_a_good_head_at_bs_1_pays_little_for_probes():
+    """A good head at bs 1, four streams (noise 5% and 15% per step, acceptance 0.85 and
+    0.9; k = 4 best): the policy runs at 0.9945x fixed k on average, steps at d <= 1 under
+    1%. With every count below the best probed at the usual interval (RARE_FACTOR 1) 0.987x
+    (0.981-0.990), with 2.3% of steps at d <= 1."""
+    ratios = []
+    for alpha in (0.85, 0.9):
+        for noise in (0.05, 0.15):
+            rate, shares = run_policy(Machine(noise=noise), lambda step, a=alpha: a, 3000, 1,
+                                      7, TRUE_PRIOR)
+            best, best_rate = best_fixed(Machine(noise=noise), lambda step, a=alpha: a,
+                                         3000, 1, 7)
+            assert best == K
+            assert (shares[0] + shares[1]) / 3000 < 0.01, shares
+            ratios.append(rate / best_rate)
+    assert sum(ratios) / len(ratios) >= 0.991, ratios
 
 
 def test_a_count_whose_first_samples_were_slow_is_probed_back_into_use():
