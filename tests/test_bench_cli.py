@@ -88,8 +88,8 @@ def test_replicas_build_every_system_n_times_and_rotate_the_repeats(capsys, pair
     assert rc == 0, err
     report = json.loads(out)
     assert report["config"]["replicas"] == 2
-    # replica by replica: the speculative system, then target-only, twice
-    assert [m for m, _ in built] == ["eagle3", "none", "eagle3", "none"]
+    # replica by replica, each in another order (``build_order``)
+    assert [m for m, _ in built] == ["eagle3", "none", "none", "eagle3"]
     # one batch of 2 per run: one warm-up and 4 / 2 timed repeats per engine
     assert [runs[id(llm)] for _, llm in built] == [3, 3, 3, 3]
     row = report["results"][0]
@@ -200,6 +200,20 @@ def test_prompt_sets_batches_and_rotation():
     assert [rotated(["x", "y", "z"], r) for r in range(4)] == [
         ["x", "y", "z"], ["y", "z", "x"], ["z", "x", "y"], ["x", "y", "z"]]
     assert spread([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0}
+
+
+def test_replicas_take_turns_at_building_first():
+    """``--replicas``: each replica builds every system once, and the first built differs
+    from replica to replica (the default policy's engines were the first built in every
+    replica before)."""
+    from rocdraft.bench.bench_cli import build_order
+
+    names = ["cost", "fixed_1", "fixed_2", "fixed_3", "fixed_4", "target_only"]
+    orders = [build_order(names, r, 3) for r in range(3)]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert [order[0] for order in orders] == ["cost", "fixed_2", "fixed_4"]
+    assert {build_order(names, r, 6)[0] for r in range(6)} == set(names)
+    assert build_order(names, 0, 1) == names  # one replica: as given
 
 
 def test_bench_table_and_plot(capsys, pair, tmp_path):

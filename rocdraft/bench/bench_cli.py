@@ -38,7 +38,9 @@ Chain systems add ``drafts_share``: the share of decode request-steps that verif
 ``--replicas N`` builds every rocdraft system N times (N times its memory) and repeat r runs
 replica r mod N of each: identical engines in one process run persistently apart (up to 4%
 at bs 1 on the built-in pair, with where their memory sits; docs/draft-policy.md, tenth
-session), and one engine per system reads that as a difference between systems.
+session), and one engine per system reads that as a difference between systems. Each
+replica builds the systems in another order (``build_order``), so none is always built
+first.
 """
 from __future__ import annotations
 
@@ -138,6 +140,21 @@ def rotated(names: list, repeat_index: int) -> list:
     """Repeat r runs the systems starting with the r-th: [a, b, c], r 1 -> [b, c, a]."""
     shift = repeat_index % len(names)
     return names[shift:] + names[:shift]
+
+
+def build_order(names: list, replica: int, replicas: int) -> list:
+    """The order replica ``replica`` of ``replicas`` builds the systems in: ``names`` rotated
+    by replica * len(names) // replicas, so the systems take turns at building first.
+    Identical engines built one after another in one process run persistently apart (docs/
+    draft-policy.md, tenth session); with one order for every replica the default policy's
+    engines were always built first. Six identical fixed-1 engines at bs 8 read the first
+    two built 1-2% slower than the last in two runs, and no such order in a third or with
+    the cost policy (eighteenth session): a confound removed, not a measured bias.
+
+    >>> build_order(["a", "b", "c", "d"], 1, 2), build_order(["a", "b", "c"], 2, 3)
+    (['c', 'd', 'a', 'b'], ['c', 'a', 'b'])
+    """
+    return rotated(names, replica * len(names) // replicas)
 
 
 def run_bench(args) -> int:
@@ -278,8 +295,12 @@ def _run_bench(args) -> int:
         # the built-in pair: the same target, no head
         "target": args.target if args.target is not None else builtin_paths().target})
     replicas = {name: [] for name in ["target_only", *spec_names]}  # name -> its engines
-    for _ in range(args.replicas):  # replica by replica: no system's engines all built first
-        for name in spec_names:
+    for replica in range(args.replicas):  # replica by replica: no system's engines all built
+        # first, and each replica builds them in another order (build_order)
+        for name in build_order([*spec_names, "target_only"], replica, args.replicas):
+            if name == "target_only":
+                replicas[name].append(make_llm(base_args)[0])
+                continue
             own = by_policy[name] if by_policy else system_args(args, name) if compare \
                 else args
             # sync_timing: an exact time split on GPUs
@@ -289,7 +310,6 @@ def _run_bench(args) -> int:
                                     "give --method eagle, eagle3 or mtp (or use the built-in "
                                     "pair)")
             replicas[name].append(llm)
-        replicas["target_only"].append(make_llm(base_args)[0])
     spec_llms = {name: replicas[name][0] for name in spec_names}  # configs, labels
     spec_llm = spec_llms[spec_names[0]]
     dtype = spec_llm.config.dtype  # the flag's value, or the device's default
