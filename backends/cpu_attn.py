@@ -25,15 +25,10 @@ What differs is where the work happens:
   Where the blocks to read are one run of consecutive block ids (a lone request's, from
   the FIFO allocator; the metadata's host flag ``block_run``, set where the step's
   batch is built, rocdraft/core/step_batch.py) the cache's slice is read in place: a view
-  instead of each layer's two copies (as many ops, fewer nested ones), in the target's
-  layers, the head's first forward and its draft steps (drafter/eagle.py hands the loop the
-  step's flag). Measured on one engine with the
-  path toggled per run (1 thread, 8 held-out prompts one at a time x 64 tokens, 12-16
-  interleaved rounds, paired medians): target-only +2.4%, +0.5%, -0.2% and -1.5% (no gain
-  the runs can show), EAGLE-3 fixed 4 +0.4%, +1.0% and +2.3% [+0.5%, +3.9% quartiles],
-  EAGLE-1 fixed 4 +1.3%; the same tokens. (The last pair of runs measured this version;
-  the one before it a version whose draft loop still copied; the first ones a version that
-  read the block table with a host read, which the drafting path must not.)
+  instead of each layer's two copies, in the target's layers, the head's first forward and
+  its draft steps (drafter/eagle.py hands the loop the step's flag). What it measured
+  (+0.4% to +2.3% for a bs 1 speculative run, no gain shown target-only):
+  docs/draft-policy.md, seventeenth session.
   For one query per request GQA is folded into the query rows (``[B, Hk, G, D]``, a view),
   so SDPA sees MHA with a ``[B, 1, 1, S]`` mask broadcast over the G rows.
 - A ragged batch where a few requests have long queries (a prompt chunk joining decodes or
@@ -68,9 +63,8 @@ with a C++ toolchain), and compiling this forward lost on the CPU (see below); i
 adopted. The backend as built (KV write + attention per layer, the plan amortised over the
 target's 8 layers), against TORCH_SDPA in the same process: bs 1 decode 62 vs 191 µs
 (3.1x), bs 8 decode 240 vs 543 (2.3x), bs 1 verify 80 vs 213 (2.7x), bs 8 verify 359 vs
-701 (2.0x). With a lone request's run of blocks read in place (a bs 1 decode at 160 tokens,
-the caches warm, another process on the second core): 43.8 µs against 47.8 with the same
-blocks shuffled (copied) and 139.5 for TORCH_SDPA.
+701 (2.0x). A lone request's run of blocks read in place: 43.8 µs against 47.8 copied
+(docs/draft-policy.md, seventeenth session).
 
 ``torch.compile(model.forward, dynamic=True)`` (default mode) on the CPU: ~40 s to compile
 and 2.4x SLOWER per bs-8 decode forward than eager (30.2 vs 12.4 ms; the in-place paged-KV
